@@ -1,0 +1,92 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Every allocation of the library goes through here, so that the test build
+ * (KL_TEST_HOOKS) can fail the k-th one and prove each caller unwinds with
+ * KL_ENOMEM and leaks nothing.  The release build calls libc directly.
+ */
+#include "config.h"
+
+#include <string.h>
+
+#include "internal.h"
+
+#ifdef KL_TEST_HOOKS
+/* Allocations made since the last kl__test_fail_alloc_at call, and the count
+ * at which the next one fails (0: never).  Relaxed order is enough: a test
+ * arms the hook, then runs its scenario in the same thread or in threads it
+ * starts afterwards (thread creation orders memory). */
+static atomic_long alloc_count;
+static atomic_long fail_at;
+
+long
+kl__test_fail_alloc_at(long k)
+{
+	long n = atomic_exchange_explicit(&alloc_count, 0,
+					  memory_order_relaxed);
+
+	atomic_store_explicit(&fail_at, k, memory_order_relaxed);
+	return n;
+}
+
+static bool
+should_fail(void)
+{
+	long n = atomic_fetch_add_explicit(&alloc_count, 1,
+					   memory_order_relaxed) + 1;
+	long k = atomic_load_explicit(&fail_at, memory_order_relaxed);
+
+	return k > 0 && n == k;
+}
+#else
+static inline bool
+should_fail(void)
+{
+	return false;
+}
+#endif
+
+void *
+kl__malloc(size_t n)
+{
+	return should_fail() ? NULL : malloc(n);
+}
+
+void *
+kl__calloc(size_t n, size_t size)
+{
+	return should_fail() ? NULL : calloc(n, size);
+}
+
+void *
+kl__realloc(void *p, size_t n)
+{
+	return should_fail() ? NULL : realloc(p, n);
+}
+
+void *
+kl__aligned_alloc(size_t align, size_t n)
+{
+	void *p;
+
+	if (should_fail() || posix_memalign(&p, align, n) != 0)
+		return NULL;
+	return p;
+}
+
+void
+kl__free(void *p)
+{
+	free(p);
+}
+
+char *
+kl__strndup(const char *s, size_t n)
+{
+	char *d = kl__malloc(n + 1);
+
+	if (d == NULL)
+		return NULL;
+	memcpy(d, s, n);
+	d[n] = '\0';
+	return d;
+}

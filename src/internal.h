@@ -1,0 +1,195 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Private declarations shared by the modules of libkeylock.  Nothing here is
+ * installed.  Layers, lowest first: clock, cancel, waitq, mutex/reset_event,
+ * table, registry, provider_memory, lock.  A lower layer never calls a higher.
+ */
+#ifndef KL_INTERNAL_H
+#define KL_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "keylock.h"
+
+#ifdef KL_DEBUG
+#include <stdio.h>
+#define KL_ASSERT(x)                                                       \
+	do {                                                               \
+		if (!(x)) {                                                \
+			fprintf(stderr, "keylock: %s:%d: assertion %s\n",  \
+				__FILE__, __LINE__, #x);                   \
+			abort();                                           \
+		}                                                          \
+	} while (0)
+#else
+#define KL_ASSERT(x) ((void)0)
+#endif
+
+/* A condition that cannot hold; true in release builds lets the caller bail
+ * out instead of crashing. */
+#define KL_NEVER(x) __builtin_expect(!!(x), 0)
+
+#define KL_HIDDEN __attribute__((visibility("hidden")))
+
+/* ------------------------------------------------------------------ */
+/* Allocation: every allocation of the library goes through these, so the
+ * test build can fail the k-th one (--enable-test-hooks). */
+
+KL_HIDDEN void *kl__malloc(size_t n);
+KL_HIDDEN void *kl__calloc(size_t n, size_t size);
+KL_HIDDEN void *kl__realloc(void *p, size_t n);
+KL_HIDDEN void *kl__aligned_alloc(size_t align, size_t n);
+KL_HIDDEN void kl__free(void *p);
+KL_HIDDEN char *kl__strndup(const char *s, size_t n);
+
+/* ------------------------------------------------------------------ */
+/* clock.c: CLOCK_MONOTONIC nanoseconds; INT64_MAX means "no deadline". */
+
+#define KL_NO_DEADLINE INT64_MAX
+
+KL_HIDDEN int64_t kl__now_ns(void);
+/* Absolute deadline for timeout_ms from now, saturating at KL_NO_DEADLINE.
+ * KL_FOREVER and values past the clock's range give KL_NO_DEADLINE. */
+KL_HIDDEN int64_t kl__deadline(int64_t timeout_ms);
+/* KL_OK when timeout_ms is KL_FOREVER or >= 0, else KL_EINVAL. */
+KL_HIDDEN int kl__check_timeout(int64_t timeout_ms);
+/* pthread_condattr with CLOCK_MONOTONIC, made once. */
+KL_HIDDEN const pthread_condattr_t *kl__condattr(void);
+/* A unique, never reused, nonzero id (tokens, leases). */
+KL_HIDDEN uint64_t kl__next_id(void);
+
+/* ------------------------------------------------------------------ */
+/* waitq.c: the FIFO queue of parked threads.
+ *
+ * A waitq does not own a lock: every call below is made with the caller's
+ * lock held (q->lock), the same lock the waiter sleeps on.  kl_mutex and
+ * kl_reset_event use a lock of their own; the key table uses its shard lock
+ * for all queues of the shard, so that an entry's fate (free it or not) is
+ * decided under the same lock as the hand-off.
+ *
+ * Each waiter lives on its waiting thread's stack and has its own condvar.
+ * Its state moves once from WAITING to a final state, always under q->lock;
+ * whoever makes that move (granter, timer, canceller, evictor) decides the
+ * outcome, so a grant racing a timeout or cancel ends in exactly one of them.
+ */
+
+enum kl__wstate {
+	KL_W_INIT = 0,    /* registered with its cancel token, not queued */
+	KL_W_WAITING = 1, /* in the queue */
+	KL_W_GRANTED = 2, /* final: owns what it waited for */
+	KL_W_DONE = 3     /* final: failed, status in w->status */
+};
+
+struct kl__waitq;
+struct kl_cancel;
+
+struct kl__waiter {
+	struct kl__waiter *next, *prev; /* queue links */
+	struct kl__waitq *q;            /* valid while WAITING */
+	pthread_mutex_t *lock;          /* the queue's lock */
+	pthread_cond_t cond;
+	int state;  /* enum kl__wstate */
+	int status; /* with KL_W_DONE */
+	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
+	/* Registration on a cancel token (see cancel.c). */
+	struct kl_cancel *cancel;
+	struct kl__waiter *cnext, *cprev;
+	pthread_t self;   /* the waiting thread (error-check mode) */
+	uint64_t data;    /* for the queue's user: token id, fence */
+};
+
+struct kl__waitq {
+	pthread_mutex_t *lock;
+	struct kl__waiter *head, *tail;
+	size_t len;
+};
+
+KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
+
+/* Parks w at the tail and waits, lock held on entry and on return.  The
+ * caller must have called kl__waiter_prepare(w, ...) first (before taking
+ * the lock, since it may register on the cancel token).  max_queue and
+ * overflow decide what happens when the queue is full.  Returns KL_OK when
+ * granted (by kl__waitq_grant_head), else KL_ETIMEDOUT, KL_ECANCELED,
+ * KL_EOVERFLOW, or the status given to kl__waitq_fail_*.  The waiter is out
+ * of the queue on return.  Not a cancellation point.  The caller must call
+ * kl__waiter_finish(w) after dropping the lock. */
+KL_HIDDEN int kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
+			     int64_t deadline_ns, size_t max_queue,
+			     kl_overflow overflow);
+/* Registers w on c (may be NULL) and initialises its condvar.  With c, call
+ * without the queue lock (the cancel lock comes first in the lock order);
+ * with NULL c it may be called with the lock held.  KL_ECANCELED when c has
+ * fired already (nothing to finish then). */
+KL_HIDDEN int kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
+				 struct kl_cancel *c);
+/* Unregisters w from its cancel token and destroys its condvar.  Call
+ * without the queue lock. */
+KL_HIDDEN void kl__waiter_finish(struct kl__waiter *w);
+
+/* Grants the head waiter (moves it to GRANTED and wakes it) and returns it,
+ * or NULL when the queue is empty.  Waiters whose deadline or cancel token's
+ * deadline has passed are failed on the way instead of granted.  The caller
+ * may read and write the waiter's data until it drops the lock. */
+KL_HIDDEN struct kl__waiter *kl__waitq_grant_head(struct kl__waitq *q);
+/* Ends w with status unless it already has an outcome: out of the queue if
+ * queued, woken.  Lock held. */
+KL_HIDDEN void kl__waiter_fail(struct kl__waiter *w, int status);
+/* Ends every waiter with status. */
+KL_HIDDEN void kl__waitq_fail_all(struct kl__waitq *q, int status);
+/* Evicts waiters with KL_EOVERFLOW until len <= max_queue: FIRST evicts the
+ * oldest, THIS and LAST the newest. */
+KL_HIDDEN void kl__waitq_reduce(struct kl__waitq *q, size_t max_queue,
+				kl_overflow overflow);
+KL_HIDDEN bool kl__overflow_valid(kl_overflow o);
+
+/* ------------------------------------------------------------------ */
+/* cancel.c */
+
+/* The time at which c fires by itself, KL_NO_DEADLINE if never; NULL c gives
+ * KL_NO_DEADLINE. */
+KL_HIDDEN int64_t kl__cancel_deadline(const struct kl_cancel *c);
+/* Registers and unregisters w; see waitq.c.  register returns false when c
+ * has fired. */
+KL_HIDDEN bool kl__cancel_register(struct kl_cancel *c, struct kl__waiter *w);
+KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
+				     struct kl__waiter *w);
+
+/* ------------------------------------------------------------------ */
+/* hash.c: SipHash-1-3 keyed with a per-process random seed. */
+
+KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
+
+/* ------------------------------------------------------------------ */
+/* provider.c: a provider is an ops table over an implementation. */
+
+struct kl_provider {
+	kl_provider_ops ops;
+	void *impl;
+	bool shared;         /* the process-wide memory provider: never freed */
+	struct kl__table *table; /* set for memory providers */
+};
+
+/* Fills err (may be NULL) with status and a printf-style message. */
+KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+/* Writes a printable, shortened form of key into buf (size > 8). */
+KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
+				 size_t len);
+
+/* ------------------------------------------------------------------ */
+/* Test hooks (only with --enable-test-hooks; see test/util.h). */
+
+#ifdef KL_TEST_HOOKS
+/* Fail the k-th allocation from now (1 = the next); 0 disables.  Returns
+ * how many allocations were made since the last call. */
+KL_API long kl__test_fail_alloc_at(long k);
+KL_API void kl__test_set_hash_seed(uint64_t k0, uint64_t k1);
+#endif
+
+#endif /* KL_INTERNAL_H */

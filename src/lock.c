@@ -1,0 +1,285 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The Lock strategy: resolve the key, ask the provider, report events, run
+ * the caller's function, release on every path.
+ *
+ * No internal lock is held here: events are raised from this file only, after
+ * the provider call has returned, so a callback may itself take locks.
+ * kl_lock_run keeps its lease on the stack and allocates nothing.
+ */
+#include "config.h"
+
+#include <string.h>
+
+#include "internal.h"
+
+struct kl_lock {
+	kl_provider *provider;
+	char *key; /* NULL: each call's key */
+	size_t key_len;
+	int64_t timeout_ms;
+	int64_t ttl_ms;
+	kl_event_fn on_event;
+	void *event_arg;
+	unsigned flags;
+};
+
+struct kl_lease {
+	kl_lock *lock;
+	void *handle;
+	uint64_t fence;
+	int64_t granted_ns;
+	const char *key;
+	size_t key_len;
+	char key_buf[]; /* the key, for leases from kl_lock_acquire */
+};
+
+#define KNOWN_FLAGS KL_ERRORCHECK
+
+int
+kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
+{
+	static const kl_lock_opts def = KL_LOCK_OPTS_INIT;
+	kl_lock *l;
+
+	if (out == NULL)
+		return KL_EINVAL;
+	*out = NULL;
+	if (opts == NULL)
+		opts = &def;
+	if (kl__check_timeout(opts->timeout_ms) != KL_OK || opts->ttl_ms < 0 ||
+	    (opts->flags & ~KNOWN_FLAGS) != 0)
+		return KL_EINVAL;
+	if ((l = kl__calloc(1, sizeof *l)) == NULL)
+		return KL_ENOMEM;
+	if (opts->key != NULL) {
+		l->key_len = strlen(opts->key);
+		if ((l->key = kl__strndup(opts->key, l->key_len)) == NULL) {
+			kl__free(l);
+			return KL_ENOMEM;
+		}
+	}
+	l->provider =
+		opts->provider != NULL ? opts->provider : kl_memory_provider();
+	l->timeout_ms = opts->timeout_ms;
+	l->ttl_ms = opts->ttl_ms;
+	l->on_event = opts->on_event;
+	l->event_arg = opts->event_arg;
+	l->flags = opts->flags;
+	*out = l;
+	return KL_OK;
+}
+
+void
+kl_lock_free(kl_lock *l)
+{
+	if (l == NULL)
+		return;
+	kl__free(l->key);
+	kl__free(l);
+}
+
+static void
+emit(const kl_lock *l, kl_event_type type, const char *key, int status,
+     int64_t waited_ms, int64_t held_ms)
+{
+	kl_event ev;
+
+	if (l->on_event == NULL)
+		return;
+	ev.type = type;
+	ev.key = key;
+	ev.status = status;
+	ev.waited_ms = waited_ms;
+	ev.held_ms = held_ms;
+	l->on_event(&ev, l->event_arg);
+}
+
+static int64_t
+ms_since(int64_t start_ns)
+{
+	int64_t d = kl__now_ns() - start_ns;
+
+	return d < 0 ? 0 : d / 1000000;
+}
+
+/* The key for l and call: the lock's wins.  KL_ENOKEY (raised as REJECTED)
+ * when neither has one. */
+static int
+resolve_key(kl_lock *l, const kl_call *call, const char **key, size_t *len,
+	    kl_error *err)
+{
+	if (l->key != NULL) {
+		*key = l->key;
+		*len = l->key_len;
+		return KL_OK;
+	}
+	if (call != NULL && call->key != NULL) {
+		*key = call->key;
+		*len = strlen(call->key);
+		return KL_OK;
+	}
+	kl__error_set(err, KL_ENOKEY, "neither the lock nor the call has a key");
+	emit(l, KL_EV_REJECTED, NULL, KL_ENOKEY, 0, 0);
+	return KL_ENOKEY;
+}
+
+/* Asks the provider for lease->key and raises ACQUIRED or REJECTED. */
+static int
+acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
+	kl_error *err)
+{
+	kl_provider *p = l->provider;
+	kl_cancel *cancel = call != NULL ? call->cancel : NULL;
+	char shown[72];
+	kl_error perr;
+	int64_t start;
+	int rc;
+
+	lease->lock = l;
+	start = kl__now_ns();
+	perr.status = KL_OK;
+	perr.message[0] = '\0';
+	rc = p->ops.acquire(p->impl, lease->key, lease->key_len, cancel,
+			    l->timeout_ms, l->ttl_ms, l->flags, &lease->handle,
+			    &lease->fence, &perr);
+	if (rc != KL_OK) {
+		if (err != NULL) {
+			kl__key_printable(shown, sizeof shown, lease->key,
+					  lease->key_len);
+			if (perr.message[0] != '\0')
+				kl__error_set(err, rc, "lock '%s': %s", shown,
+					      perr.message);
+			else if (rc == KL_ETIMEDOUT)
+				kl__error_set(err, rc,
+					      "lock '%s' not acquired within "
+					      "%lld ms",
+					      shown, (long long)l->timeout_ms);
+			else
+				kl__error_set(err, rc, "lock '%s': %s", shown,
+					      kl_strerror(rc));
+		}
+		emit(l, KL_EV_REJECTED, lease->key, rc, ms_since(start), 0);
+		return rc;
+	}
+	lease->granted_ns = kl__now_ns();
+	if (err != NULL) {
+		err->status = KL_OK;
+		err->message[0] = '\0';
+	}
+	emit(l, KL_EV_ACQUIRED, lease->key, KL_OK,
+	     (lease->granted_ns - start) / 1000000, 0);
+	return KL_OK;
+}
+
+/* Releases and raises RELEASED or RELEASE_FAILED; the lease's key is still
+ * valid during the events. */
+static void
+release(struct kl_lease *lease)
+{
+	kl_lock *l = lease->lock;
+	kl_provider *p = l->provider;
+	int64_t held = ms_since(lease->granted_ns);
+	kl_error perr;
+	int rc;
+
+	perr.status = KL_OK;
+	perr.message[0] = '\0';
+	rc = p->ops.release(p->impl, lease->handle, &perr);
+	if (rc == KL_OK)
+		emit(l, KL_EV_RELEASED, lease->key, KL_OK, 0, held);
+	else
+		emit(l, KL_EV_RELEASE_FAILED, lease->key, rc, 0, held);
+}
+
+int
+kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg), void *arg,
+	    int *fn_result, kl_error *err)
+{
+	struct kl_lease lease;
+	int rc, r;
+
+	if (l == NULL || fn == NULL) {
+		kl__error_set(err, KL_EINVAL, "no lock or no function given");
+		return KL_EINVAL;
+	}
+	if ((rc = resolve_key(l, call, &lease.key, &lease.key_len, err)) !=
+	    KL_OK)
+		return rc;
+	if ((rc = acquire(l, call, &lease, err)) != KL_OK)
+		return rc;
+	r = fn(arg);
+	if (fn_result != NULL)
+		*fn_result = r;
+	release(&lease);
+	return KL_OK;
+}
+
+int
+kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
+		kl_error *err)
+{
+	struct kl_lease *lease;
+	const char *key;
+	size_t len;
+	int rc;
+
+	if (out != NULL)
+		*out = NULL;
+	if (l == NULL || out == NULL) {
+		kl__error_set(err, KL_EINVAL, "no lock or no lease pointer");
+		return KL_EINVAL;
+	}
+	if ((rc = resolve_key(l, call, &key, &len, err)) != KL_OK)
+		return rc;
+	/* The call's key may not outlive the call: the lease keeps a copy,
+	 * made first so that nothing can fail once the key is held. */
+	if (len > SIZE_MAX - sizeof *lease - 1 ||
+	    (lease = kl__malloc(sizeof *lease + len + 1)) == NULL) {
+		kl__error_set(err, KL_ENOMEM, "out of memory for the lease");
+		emit(l, KL_EV_REJECTED, key, KL_ENOMEM, 0, 0);
+		return KL_ENOMEM;
+	}
+	memcpy(lease->key_buf, key, len);
+	lease->key_buf[len] = '\0';
+	lease->key = lease->key_buf;
+	lease->key_len = len;
+	if ((rc = acquire(l, call, lease, err)) != KL_OK) {
+		kl__free(lease);
+		return rc;
+	}
+	*out = lease;
+	return KL_OK;
+}
+
+void
+kl_lease_release(kl_lease *lease)
+{
+	if (lease == NULL)
+		return;
+	release(lease);
+	kl__free(lease);
+}
+
+uint64_t
+kl_lease_fence(const kl_lease *lease)
+{
+	return lease != NULL ? lease->fence : 0;
+}
+
+bool
+kl_lease_valid(const kl_lease *lease)
+{
+	kl_provider *p;
+
+	if (lease == NULL)
+		return false;
+	p = lease->lock->provider;
+	return p->ops.valid == NULL || p->ops.valid(p->impl, lease->handle);
+}
+
+const char *
+kl_lease_key(const kl_lease *lease)
+{
+	return lease != NULL ? lease->key : NULL;
+}

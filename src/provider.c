@@ -1,0 +1,118 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Providers: the ops table every provider implements, user-written ones
+ * through kl_provider_new, and kl_provider_open's URI dispatch.
+ */
+#include "config.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "internal.h"
+
+void
+kl__error_set(kl_error *err, int status, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err == NULL)
+		return;
+	err->status = status;
+	va_start(ap, fmt);
+	vsnprintf(err->message, sizeof err->message, fmt, ap);
+	va_end(ap);
+}
+
+void
+kl__key_printable(char *buf, size_t size, const char *key, size_t len)
+{
+	size_t i, n = 0, room = size - 4; /* room for "..." and NUL */
+
+	if (key == NULL) {
+		snprintf(buf, size, "(none)");
+		return;
+	}
+	for (i = 0; i < len && n < room; i++) {
+		unsigned char ch = (unsigned char)key[i];
+
+		buf[n++] = ch >= 0x20 && ch < 0x7f ? (char)ch : '?';
+	}
+	if (i < len) {
+		memcpy(buf + n, "...", 3);
+		n += 3;
+	}
+	buf[n] = '\0';
+}
+
+int
+kl_provider_new(kl_provider **out, const kl_provider_ops *ops, void *impl)
+{
+	kl_provider *p;
+
+	if (out == NULL)
+		return KL_EINVAL;
+	*out = NULL;
+	if (ops == NULL || ops->struct_size != sizeof *ops ||
+	    ops->acquire == NULL || ops->release == NULL)
+		return KL_EINVAL;
+	if ((p = kl__calloc(1, sizeof *p)) == NULL)
+		return KL_ENOMEM;
+	p->ops = *ops;
+	p->impl = impl;
+	*out = p;
+	return KL_OK;
+}
+
+void
+kl_provider_free(kl_provider *p)
+{
+	if (p == NULL || p->shared)
+		return;
+	if (p->ops.destroy != NULL)
+		p->ops.destroy(p->impl);
+	kl__free(p);
+}
+
+static bool
+has_prefix(const char *s, const char *prefix)
+{
+	return strncmp(s, prefix, strlen(prefix)) == 0;
+}
+
+int
+kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
+{
+	if (out != NULL)
+		*out = NULL;
+	if (out == NULL || uri == NULL) {
+		kl__error_set(err, KL_EINVAL, "no provider URI given");
+		return KL_EINVAL;
+	}
+	if (strcmp(uri, "memory:") == 0 || strcmp(uri, "memory://") == 0) {
+		*out = kl_memory_provider();
+		return KL_OK;
+	}
+	if (has_prefix(uri, "redis://") || has_prefix(uri, "rediss://")) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "redis provider needs libkeylock-redis, which "
+			      "this build does not provide yet");
+		return KL_EPROVIDER;
+	}
+	if (has_prefix(uri, "postgresql://") || has_prefix(uri, "postgres://")) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "postgresql provider needs libkeylock-pg, which "
+			      "this build does not provide yet");
+		return KL_EPROVIDER;
+	}
+	if (strcmp(uri, "local:") == 0 || has_prefix(uri, "local:")) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "the local: (cross-process) provider is not "
+			      "built yet");
+		return KL_EPROVIDER;
+	}
+	kl__error_set(err, KL_EINVAL,
+		      "unknown provider URI scheme (expected memory:, local:, "
+		      "redis:// or postgresql://)");
+	return KL_EINVAL;
+}

@@ -1,0 +1,119 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Status names, the version, and the duration parser.  The parser works on
+ * integers only (no strtod) so that "1.5m" is exact and no input can produce
+ * a value past INT64_MAX or a floating-point surprise.
+ */
+#include "config.h"
+
+#include <string.h>
+
+#include "internal.h"
+
+const char *
+kl_version(void)
+{
+	return KL_VERSION_STRING;
+}
+
+const char *
+kl_strerror(int status)
+{
+	switch (status) {
+	case KL_OK:
+		return "success";
+	case KL_ETIMEDOUT:
+		return "lock not acquired in time";
+	case KL_ECANCELED:
+		return "wait canceled";
+	case KL_EOVERFLOW:
+		return "dropped by the queue's overflow strategy";
+	case KL_ENOKEY:
+		return "no lock key given";
+	case KL_EINVAL:
+		return "invalid argument";
+	case KL_ENOTFOUND:
+		return "no such named lock";
+	case KL_ENOMEM:
+		return "out of memory";
+	case KL_EDEADLK:
+		return "lock already held by this thread";
+	case KL_EPROVIDER:
+		return "lock provider failure";
+	default:
+		return "unknown keylock status";
+	}
+}
+
+/* Milliseconds per unit, longest suffix first so "ms" is not read as "m". */
+static const struct {
+	const char *suffix;
+	int64_t ms;
+} units[] = {
+	{ "ms", 1 },
+	{ "s", 1000 },
+	{ "m", 60 * 1000 },
+	{ "h", 60 * 60 * 1000 },
+	{ "d", 24 * 60 * 60 * 1000 },
+	{ "", 1 },
+};
+
+int
+kl_duration_parse(const char *text, int64_t *ms)
+{
+	int64_t whole = 0, frac = 0, scale = 1, unit = 0;
+	const char *p = text;
+	size_t i;
+
+	if (ms == NULL)
+		return KL_EINVAL;
+	*ms = 0;
+	if (text == NULL)
+		return KL_EINVAL;
+	if (strcmp(text, "forever") == 0) {
+		*ms = KL_FOREVER;
+		return KL_OK;
+	}
+	if (*p < '0' || *p > '9')
+		return KL_EINVAL;
+	for (; *p >= '0' && *p <= '9'; p++) {
+		if (whole > (INT64_MAX - (*p - '0')) / 10)
+			return KL_EINVAL;
+		whole = whole * 10 + (*p - '0');
+	}
+	if (*p == '.') {
+		p++;
+		if (*p < '0' || *p > '9')
+			return KL_EINVAL;
+		/* Digits past the 18th cannot change a millisecond result for
+		 * any unit here (a day is under 10^8 ms), so they are only
+		 * checked, not accumulated. */
+		for (; *p >= '0' && *p <= '9'; p++) {
+			if (scale < 1000000000000000000LL) {
+				frac = frac * 10 + (*p - '0');
+				scale *= 10;
+			}
+		}
+	}
+	for (i = 0; i < sizeof units / sizeof units[0]; i++) {
+		if (strcmp(p, units[i].suffix) == 0) {
+			unit = units[i].ms;
+			break;
+		}
+	}
+	if (unit == 0)
+		return KL_EINVAL;
+	if (whole > INT64_MAX / unit)
+		return KL_EINVAL;
+	whole *= unit;
+	/* frac < scale <= 10^18 and unit < 10^8: the product needs 128 bits. */
+	if (frac != 0) {
+		int64_t add = (int64_t)((unsigned __int128)frac * (uint64_t)unit /
+					(uint64_t)scale);
+		if (whole > INT64_MAX - add)
+			return KL_EINVAL;
+		whole += add;
+	}
+	*ms = whole;
+	return KL_OK;
+}

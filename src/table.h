@@ -1,0 +1,47 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The key table: a sharded hash table from key bytes to a wait-queue entry.
+ * Entries are made on first use and freed the moment no holder and no waiter
+ * remain, decided under the shard lock that also guards the entry's queue.
+ */
+#ifndef KL_TABLE_H
+#define KL_TABLE_H
+
+#include "internal.h"
+
+struct kl__table;
+struct kl__entry;
+
+struct kl__table_stats {
+	size_t entries;    /* live entries (keys held or waited for) */
+	size_t buckets;    /* buckets over all shards */
+	size_t max_chain;  /* longest bucket chain now */
+	uint64_t lookups;  /* lookups since the table was made */
+	uint64_t probes;   /* entries compared during those lookups */
+};
+
+KL_HIDDEN int kl__table_new(struct kl__table **out);
+/* The table of the process-wide memory provider, made on first use. */
+KL_HIDDEN struct kl__table *kl__table_shared(void);
+/* No entry may be live. */
+KL_HIDDEN void kl__table_free(struct kl__table *t);
+/* Acquires key for the caller, waiting in FIFO order until deadline_ns
+ * (KL_NO_DEADLINE: forever; a deadline in the past: try once) or c fires.
+ * KL_OK with *out (the entry, to pass to release) and *fence (grows with
+ * every grant of the key while the entry lives, and across entries: it is
+ * taken from a table-wide counter); KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
+ * (flags KL_ERRORCHECK and this thread holds it), KL_ENOMEM. */
+KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
+				size_t len, int64_t deadline_ns, kl_cancel *c,
+				unsigned flags, struct kl__entry **out,
+				uint64_t *fence);
+/* Hands the key to the next waiter, or frees the entry when none waits. */
+KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
+KL_HIDDEN size_t kl__table_size(struct kl__table *t);
+KL_HIDDEN void kl__table_stats(struct kl__table *t,
+			       struct kl__table_stats *out);
+/* Waiters queued on key (0 when the key has no entry). */
+KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
+				      size_t len);
+
+#endif /* KL_TABLE_H */

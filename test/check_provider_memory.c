@@ -1,0 +1,654 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the providers through the public API: the shared memory provider
+ * and private ones, kl_memory_provider_size, kl_provider_open by URI
+ * (memory:, the separately built redis and postgresql libraries, local:,
+ * garbage) and user providers made with kl_provider_new, driven through
+ * kl_lock_run and kl_lock_acquire.
+ *
+ * Worker threads never call ck_assert*: they record statuses, and the test's
+ * thread asserts after joining them.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <check.h>
+#include <dlfcn.h>
+#include <ftw.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "keylock.h"
+#include "util.h"
+
+static kl_lock *
+lock_on(kl_provider *p, const char *key, int64_t timeout_ms)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_ptr_nonnull(l);
+	return l;
+}
+
+static int
+fn_count(void *arg)
+{
+	atomic_fetch_add((atomic_int *)arg, 1);
+	return 7;
+}
+
+/* Runs fn_count once under key on p, try-once; returns the status. */
+static int
+run_once(kl_provider *p, const char *key)
+{
+	kl_lock *l = lock_on(p, key, 0);
+	atomic_int ran = 0;
+	int res = 0, rc;
+
+	rc = kl_lock_run(l, NULL, fn_count, &ran, &res, NULL);
+	kl_lock_free(l);
+	if (rc == KL_OK && (atomic_load(&ran) != 1 || res != 7))
+		return 1; /* no KL_* value: fn did not run as it should */
+	return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* The shared provider and private ones                                */
+
+START_TEST(test_shared_is_one)
+{
+	kl_provider *p = kl_memory_provider();
+	kl_provider *q = NULL;
+	kl_error err;
+
+	ck_assert_ptr_nonnull(p);
+	ck_assert_ptr_eq(kl_memory_provider(), p);
+	kl_provider_free(p); /* does nothing */
+	ck_assert_ptr_eq(kl_memory_provider(), p);
+	ck_assert_int_eq(run_once(p, "pm:shared:after-free"), KL_OK);
+
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_open(&q, "memory:", &err), KL_OK);
+	ck_assert_ptr_eq(q, p);
+	kl_provider_free(q); /* does nothing either */
+	ck_assert_int_eq(run_once(kl_memory_provider(), "pm:shared:open"),
+			 KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+}
+END_TEST
+
+START_TEST(test_private_independent)
+{
+	kl_provider *a = NULL, *b = NULL, *s = kl_memory_provider();
+	kl_lock *la, *la2, *lb, *ls;
+	kl_lease *lease_a = NULL, *lease_b = NULL, *lease_s = NULL;
+	size_t shared_before = kl_memory_provider_size(s);
+
+	ck_assert_int_eq(kl_memory_provider_new(&a), KL_OK);
+	ck_assert_int_eq(kl_memory_provider_new(&b), KL_OK);
+	ck_assert_ptr_nonnull(a);
+	ck_assert_ptr_nonnull(b);
+	ck_assert_ptr_ne(a, b);
+	ck_assert_ptr_ne(a, s);
+	ck_assert_uint_eq(kl_memory_provider_size(a), 0);
+
+	la = lock_on(a, "pm:same", 0);
+	la2 = lock_on(a, "pm:same", 0);
+	lb = lock_on(b, "pm:same", 0);
+	ls = lock_on(NULL, "pm:same", 0);
+	ck_assert_int_eq(kl_lock_acquire(la, NULL, &lease_a, NULL), KL_OK);
+	/* The same key in another provider does not exclude. */
+	ck_assert_int_eq(kl_lock_acquire(lb, NULL, &lease_b, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(ls, NULL, &lease_s, NULL), KL_OK);
+	/* In the same provider it does. */
+	ck_assert_int_eq(run_once(a, "pm:same"), KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl_memory_provider_size(a), 1);
+	ck_assert_uint_eq(kl_memory_provider_size(b), 1);
+	ck_assert_uint_eq(kl_memory_provider_size(s), shared_before + 1);
+
+	kl_lease_release(lease_a);
+	ck_assert_uint_eq(kl_memory_provider_size(a), 0);
+	ck_assert_uint_eq(kl_memory_provider_size(b), 1);
+	ck_assert_int_eq(run_once(a, "pm:same"), KL_OK);
+	kl_lease_release(lease_b);
+	kl_lease_release(lease_s);
+	ck_assert_uint_eq(kl_memory_provider_size(b), 0);
+	ck_assert_uint_eq(kl_memory_provider_size(s), shared_before);
+
+	kl_lock_free(la);
+	kl_lock_free(la2);
+	kl_lock_free(lb);
+	kl_lock_free(ls);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
+struct holder {
+	pthread_t th;
+	kl_lock *l;
+	int rc;
+	atomic_bool done;
+};
+
+static void *
+holder_main(void *arg)
+{
+	struct holder *h = arg;
+	kl_lease *lease = NULL;
+
+	h->rc = kl_lock_acquire(h->l, NULL, &lease, NULL);
+	if (h->rc == KL_OK)
+		kl_lease_release(lease);
+	atomic_store(&h->done, true);
+	return NULL;
+}
+
+/* Keys held or waited for; a waiter on a held key adds none. */
+START_TEST(test_size_counts_keys)
+{
+	kl_provider *p = NULL;
+	kl_lock *l1, *l2;
+	kl_lease *k1 = NULL, *k2 = NULL;
+	struct holder h;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	l1 = lock_on(p, "pm:k1", 30000);
+	l2 = lock_on(p, "pm:k2", 30000);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl_lock_acquire(l1, NULL, &k1, NULL), KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	ck_assert_int_eq(kl_lock_acquire(l2, NULL, &k2, NULL), KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 2);
+
+	memset(&h, 0, sizeof h);
+	h.l = l1;
+	test_thread_start(&h.th, holder_main, &h);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 2);
+	kl_lease_release(k1); /* the waiter (queued or not) gets it */
+	test_thread_join(h.th);
+	ck_assert_int_eq(h.rc, KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	kl_lease_release(k2);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+
+	/* Many distinct keys, then none. */
+	for (int i = 0; i < 1000; i++) {
+		char key[32];
+
+		snprintf(key, sizeof key, "pm:many:%d", i);
+		ck_assert_int_eq(run_once(p, key), KL_OK);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l1);
+	kl_lock_free(l2);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* kl_provider_open                                                    */
+
+static void
+open_fails(const char *uri, int want)
+{
+	kl_provider *p = (kl_provider *)&p; /* not NULL: must be reset */
+	kl_error err;
+
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_open(&p, uri, &err), want);
+	ck_assert_ptr_null(p);
+	ck_assert_int_eq(err.status, want);
+	ck_assert_msg(err.message[0] != '\0', "no message for \"%s\"",
+		      uri != NULL ? uri : "(null)");
+	ck_assert_ptr_nonnull(memchr(err.message, '\0', sizeof err.message));
+	/* err may be NULL. */
+	p = (kl_provider *)&p;
+	ck_assert_int_eq(kl_provider_open(&p, uri, NULL), want);
+	ck_assert_ptr_null(p);
+}
+
+/* True when the separately built provider library can be loaded here, in
+ * which case opening its scheme may get further than "not installed". */
+static bool
+library_installed(const char *base)
+{
+	const char *suffixes[] = { ".so.0", ".so" };
+
+	for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
+		char name[64];
+		void *h;
+
+		snprintf(name, sizeof name, "%s%s", base, suffixes[i]);
+		h = dlopen(name, RTLD_LAZY | RTLD_LOCAL);
+		if (h != NULL) {
+			dlclose(h);
+			return true;
+		}
+	}
+	return false;
+}
+
+static void
+open_needs_library(const char *uri, const char *library)
+{
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	if (library_installed(library)) {
+		/* A server may even be listening: only no crash is asked. */
+		if (rc == KL_OK)
+			kl_provider_free(p);
+		else
+			ck_assert_ptr_null(p);
+		return;
+	}
+	ck_assert_int_eq(rc, KL_EPROVIDER);
+	ck_assert_ptr_null(p);
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+	ck_assert_msg(strstr(err.message, library) != NULL,
+		      "\"%s\": message \"%s\" does not name %s", uri,
+		      err.message, library);
+}
+
+START_TEST(test_open_redis_needs_library)
+{
+	open_needs_library("redis://localhost:6379/0", "libkeylock-redis");
+}
+END_TEST
+
+START_TEST(test_open_postgresql_needs_library)
+{
+	open_needs_library("postgresql://x", "libkeylock-pg");
+}
+END_TEST
+
+static int
+remove_entry(const char *path, const struct stat *sb, int flag,
+	     struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+/* The local provider is not built yet: KL_EPROVIDER with a message.  Once
+ * it is, a working provider is just as right. */
+START_TEST(test_open_local)
+{
+	char dir[] = "/tmp/kl-check-provider.XXXXXX";
+	char uri[sizeof dir + 8];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(uri, sizeof uri, "local:%s", dir);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	if (rc == KL_OK) {
+		ck_assert_ptr_nonnull(p);
+		ck_assert_int_eq(run_once(p, "pm:local"), KL_OK);
+		kl_provider_free(p);
+	} else {
+		ck_assert_int_eq(rc, KL_EPROVIDER);
+		ck_assert_ptr_null(p);
+		ck_assert_int_eq(err.status, KL_EPROVIDER);
+		ck_assert(err.message[0] != '\0');
+	}
+	nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+END_TEST
+
+START_TEST(test_open_garbage)
+{
+	open_fails("foo", KL_EINVAL);
+	open_fails("", KL_EINVAL);
+	open_fails(NULL, KL_EINVAL);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* User providers                                                      */
+
+/* A tiny provider: one lock (a flag under a pthread mutex) for every key,
+ * recording what the library passed it. */
+struct up {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool held;
+	/* What the last acquire was given. */
+	char key[64];
+	size_t key_len;
+	kl_cancel *cancel;
+	int64_t timeout_ms, ttl_ms;
+	unsigned flags;
+	/* Counts and results. */
+	int acquires, releases, destroys;
+	void *released_lease;
+	uint64_t next_fence;
+	bool valid;
+	int acquire_status, release_status; /* forced failures */
+	char lease_cookie;
+};
+
+static int
+up_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
+	   uint64_t *fence, kl_error *err)
+{
+	struct up *u = impl;
+	int rc = KL_OK;
+
+	pthread_mutex_lock(&u->mu);
+	u->acquires++;
+	u->key_len = key_len;
+	snprintf(u->key, sizeof u->key, "%s", key);
+	u->cancel = cancel;
+	u->timeout_ms = timeout_ms;
+	u->ttl_ms = ttl_ms;
+	u->flags = flags;
+	if (u->acquire_status != KL_OK) {
+		rc = u->acquire_status;
+		if (err != NULL) {
+			err->status = rc;
+			snprintf(err->message, sizeof err->message,
+				 "up: server on fire");
+		}
+	} else if (u->held && timeout_ms == 0) {
+		rc = KL_ETIMEDOUT;
+	} else {
+		while (u->held)
+			pthread_cond_wait(&u->cv, &u->mu);
+		u->held = true;
+		*lease = &u->lease_cookie;
+		*fence = ++u->next_fence;
+	}
+	pthread_mutex_unlock(&u->mu);
+	return rc;
+}
+
+static int
+up_release(void *impl, void *lease, kl_error *err)
+{
+	struct up *u = impl;
+	int rc;
+
+	pthread_mutex_lock(&u->mu);
+	u->releases++;
+	u->released_lease = lease;
+	u->held = false;
+	pthread_cond_broadcast(&u->cv);
+	rc = u->release_status;
+	pthread_mutex_unlock(&u->mu);
+	if (rc != KL_OK && err != NULL) {
+		err->status = rc;
+		snprintf(err->message, sizeof err->message, "up: lost it");
+	}
+	return rc;
+}
+
+static bool
+up_valid(void *impl, void *lease)
+{
+	struct up *u = impl;
+	bool v;
+
+	(void)lease;
+	pthread_mutex_lock(&u->mu);
+	v = u->valid;
+	pthread_mutex_unlock(&u->mu);
+	return v;
+}
+
+static void
+up_destroy(void *impl)
+{
+	struct up *u = impl;
+
+	pthread_mutex_lock(&u->mu);
+	u->destroys++;
+	pthread_mutex_unlock(&u->mu);
+}
+
+static const kl_provider_ops up_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "up",
+	.acquire = up_acquire,
+	.release = up_release,
+	.valid = up_valid,
+	.destroy = up_destroy,
+};
+
+static void
+up_init(struct up *u)
+{
+	memset(u, 0, sizeof *u);
+	pthread_mutex_init(&u->mu, NULL);
+	pthread_cond_init(&u->cv, NULL);
+	u->valid = true;
+	u->next_fence = 41;
+}
+
+static void
+up_fini(struct up *u)
+{
+	pthread_cond_destroy(&u->cv);
+	pthread_mutex_destroy(&u->mu);
+}
+
+static kl_provider *
+up_provider(struct up *u, const kl_provider_ops *ops)
+{
+	kl_provider *p = NULL;
+
+	ck_assert_int_eq(kl_provider_new(&p, ops, u), KL_OK);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+START_TEST(test_user_provider_gets_arguments)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = "call-key", .cancel = NULL };
+	atomic_int ran = 0;
+	kl_provider *p;
+	kl_lease *lease = NULL;
+	kl_lock *l;
+	kl_cancel *c;
+	struct up u;
+	int res = 0;
+
+	up_init(&u);
+	p = up_provider(&u, &up_ops);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+
+	o.provider = p;
+	o.key = "user-key";
+	o.timeout_ms = 1234;
+	o.ttl_ms = 5678;
+	o.flags = KL_ERRORCHECK;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	call.cancel = c;
+	ck_assert_int_eq(kl_lock_run(l, &call, fn_count, &ran, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(atomic_load(&ran), 1);
+	ck_assert_int_eq(res, 7);
+	ck_assert_int_eq(u.acquires, 1);
+	ck_assert_int_eq(u.releases, 1);
+	ck_assert_str_eq(u.key, "user-key");
+	ck_assert_uint_eq(u.key_len, strlen("user-key"));
+	/* The whole budget, or what is left of it a moment later. */
+	ck_assert_int_le(u.timeout_ms, 1234);
+	ck_assert_int_gt(u.timeout_ms, 234);
+	ck_assert_int_eq(u.ttl_ms, 5678);
+	ck_assert_uint_eq(u.flags & KL_ERRORCHECK, KL_ERRORCHECK);
+	ck_assert_ptr_eq(u.released_lease, &u.lease_cookie);
+
+	/* A lease: fence, validity and key come from the provider. */
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	ck_assert_uint_eq(kl_lease_fence(lease), 43);
+	ck_assert(kl_lease_valid(lease));
+	pthread_mutex_lock(&u.mu);
+	u.valid = false;
+	pthread_mutex_unlock(&u.mu);
+	ck_assert(!kl_lease_valid(lease));
+	ck_assert_str_eq(kl_lease_key(lease), "user-key");
+	kl_lease_release(lease);
+	ck_assert_int_eq(u.releases, 2);
+	kl_lock_free(l);
+
+	/* No lock key: the call's; timeout 0 and KL_FOREVER pass as they
+	 * are; ttl 0 is the provider's default. */
+	o.key = NULL;
+	o.timeout_ms = 0;
+	o.ttl_ms = 0;
+	o.flags = 0;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	call.cancel = NULL;
+	ck_assert_int_eq(kl_lock_run(l, &call, fn_count, &ran, NULL, NULL),
+			 KL_OK);
+	ck_assert_str_eq(u.key, "call-key");
+	ck_assert_int_eq(u.timeout_ms, 0);
+	ck_assert_int_eq(u.ttl_ms, 0);
+	ck_assert_uint_eq(u.flags & KL_ERRORCHECK, 0);
+	kl_lock_free(l);
+	o.timeout_ms = KL_FOREVER;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_int_eq(kl_lock_run(l, &call, fn_count, &ran, NULL, NULL),
+			 KL_OK);
+	ck_assert_int_eq(u.timeout_ms, KL_FOREVER);
+	ck_assert_int_eq(atomic_load(&ran), 3);
+	kl_lock_free(l);
+
+	/* Not a memory provider. */
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(u.destroys, 0);
+	kl_provider_free(p);
+	ck_assert_int_eq(u.destroys, 1);
+	kl_cancel_free(c);
+	up_fini(&u);
+}
+END_TEST
+
+/* Optional members left NULL: valid is then always true, and free has
+ * nothing to destroy. */
+START_TEST(test_user_provider_optional_members)
+{
+	kl_provider_ops ops = up_ops;
+	kl_provider *p;
+	kl_lease *lease = NULL;
+	kl_lock *l;
+	struct up u;
+
+	up_init(&u);
+	ops.valid = NULL;
+	ops.destroy = NULL;
+	ops.name = NULL;
+	p = up_provider(&u, &ops);
+	ops.acquire = NULL; /* ops was copied */
+	u.valid = false;
+	l = lock_on(p, "opt", KL_FOREVER);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	ck_assert(kl_lease_valid(lease));
+	kl_lease_release(lease);
+	ck_assert_int_eq(u.acquires, 1);
+	ck_assert_int_eq(u.releases, 1);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	ck_assert_int_eq(u.destroys, 0);
+	up_fini(&u);
+}
+END_TEST
+
+static void
+new_fails(const kl_provider_ops *ops)
+{
+	kl_provider *p = (kl_provider *)&p;
+	struct up u;
+
+	up_init(&u);
+	ck_assert_int_eq(kl_provider_new(&p, ops, &u), KL_EINVAL);
+	ck_assert_ptr_null(p);
+	up_fini(&u);
+}
+
+START_TEST(test_user_provider_bad_ops)
+{
+	kl_provider_ops ops;
+
+	ops = up_ops;
+	ops.acquire = NULL;
+	new_fails(&ops);
+	ops = up_ops;
+	ops.release = NULL;
+	new_fails(&ops);
+	ops = up_ops;
+	ops.struct_size = 0;
+	new_fails(&ops);
+	ops = up_ops;
+	ops.struct_size = 1;
+	new_fails(&ops);
+	new_fails(NULL);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static Suite *
+provider_memory_suite(void)
+{
+	Suite *s = suite_create("provider_memory");
+	TCase *tc;
+
+	tc = tcase_create("memory");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_shared_is_one);
+	tcase_add_test(tc, test_private_independent);
+	tcase_add_test(tc, test_size_counts_keys);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("open");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_open_redis_needs_library);
+	tcase_add_test(tc, test_open_postgresql_needs_library);
+	tcase_add_test(tc, test_open_local);
+	tcase_add_test(tc, test_open_garbage);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("user");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_user_provider_gets_arguments);
+	tcase_add_test(tc, test_user_provider_optional_members);
+	tcase_add_test(tc, test_user_provider_bad_ops);
+	suite_add_tcase(s, tc);
+
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr = srunner_create(provider_memory_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

@@ -1,0 +1,986 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the key table (src/table.h), the internal layer under the memory
+ * provider: entries made on first use and freed on last release, strict FIFO
+ * per key, independence of keys, fences, try-once deadlines, error-check,
+ * cancellation, keys of any bytes and length, memory that does not grow with
+ * distinct keys, and resistance to keys crafted to collide under an unkeyed
+ * hash.  Built with -DKL_TEST_HOOKS -I include -I src: it calls kl__*.
+ *
+ * Worker threads never call ck_assert*: they record statuses, grant ranks and
+ * violation counts, and the test's thread asserts after joining them.  Orders
+ * are forced by polling kl__table_queue_size, never by sleeping.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <check.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
+
+#include "internal.h"
+#include "table.h"
+#include "util.h"
+
+/* Sanitizer runtimes keep freed memory in quarantine and map shadow memory,
+ * so the resident set says nothing about leaks there (LSan checks those). */
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define UNDER_SANITIZER 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer) ||    \
+	__has_feature(memory_sanitizer)
+#define UNDER_SANITIZER 1
+#endif
+#endif
+#ifndef UNDER_SANITIZER
+#define UNDER_SANITIZER 0
+#endif
+
+/* Deadlines: a bounded one fails a lost wake-up instead of hanging. */
+static int64_t
+past(void)
+{
+	return now_ns() - 1;
+}
+
+static int64_t
+in_ms(int64_t ms)
+{
+	return now_ns() + ms * 1000000;
+}
+
+static struct kl__table *
+table_new(void)
+{
+	struct kl__table *t = NULL;
+
+	ck_assert_int_eq(kl__table_new(&t), KL_OK);
+	ck_assert_ptr_nonnull(t);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	return t;
+}
+
+/* ------------------------------------------------------------------ */
+/* A thread that acquires one key, records what happened and releases. */
+
+struct tthread {
+	pthread_t th;
+	struct kl__table *t;
+	const char *key;
+	size_t len;
+	int64_t deadline;
+	kl_cancel *cancel;
+	unsigned flags;
+	atomic_int *next_seq; /* grant rank counter, may be NULL */
+	/* Outputs. */
+	int rc;
+	int seq;
+	uint64_t fence;
+	int64_t start_ns, end_ns;
+	atomic_bool done;
+};
+
+static void *
+tthread_main(void *arg)
+{
+	struct tthread *w = arg;
+	struct kl__entry *e = NULL;
+
+	w->start_ns = now_ns();
+	w->rc = kl__table_acquire(w->t, w->key, w->len, w->deadline, w->cancel,
+				  w->flags, &e, &w->fence);
+	w->end_ns = now_ns();
+	if (w->rc == KL_OK) {
+		if (w->next_seq != NULL)
+			w->seq = atomic_fetch_add(w->next_seq, 1);
+		kl__table_release(w->t, e);
+	}
+	atomic_store(&w->done, true);
+	return NULL;
+}
+
+static void
+tthread_start(struct tthread *w, struct kl__table *t, const void *key,
+	      size_t len, int64_t deadline)
+{
+	w->t = t;
+	w->key = key;
+	w->len = len;
+	w->deadline = deadline;
+	w->rc = 1; /* no KL_* value: never returned */
+	w->seq = -1;
+	w->fence = 0;
+	atomic_init(&w->done, false);
+	test_thread_start(&w->th, tthread_main, w);
+}
+
+static bool
+tthread_done(void *arg)
+{
+	struct tthread *w = arg;
+
+	return atomic_load(&w->done);
+}
+
+static void
+tthread_join(struct tthread *w)
+{
+	test_poll(tthread_done, w, "a table thread to finish");
+	test_thread_join(w->th);
+}
+
+/* Tries key once from another thread (so that it is not the holder) and
+ * returns the status; releases at once when it got the key. */
+static int
+other_try(struct kl__table *t, const void *key, size_t len, unsigned flags)
+{
+	struct tthread w;
+
+	memset(&w, 0, sizeof w);
+	w.flags = flags;
+	tthread_start(&w, t, key, len, past());
+	tthread_join(&w);
+	return w.rc;
+}
+
+struct qcond {
+	struct kl__table *t;
+	const char *key;
+	size_t len;
+	size_t n;
+};
+
+static bool
+queue_is(void *arg)
+{
+	struct qcond *c = arg;
+
+	return kl__table_queue_size(c->t, c->key, c->len) == c->n;
+}
+
+static void
+wait_queue(struct kl__table *t, const void *key, size_t len, size_t n)
+{
+	struct qcond c = { .t = t, .key = key, .len = len, .n = n };
+
+	test_poll(queue_is, &c, "the key's queue size");
+}
+
+static int
+acquire(struct kl__table *t, const void *key, size_t len, int64_t deadline,
+	struct kl__entry **e, uint64_t *fence)
+{
+	uint64_t f;
+
+	return kl__table_acquire(t, key, len, deadline, NULL, 0, e,
+				 fence != NULL ? fence : &f);
+}
+
+/* ------------------------------------------------------------------ */
+/* Entry lifecycle                                                     */
+
+START_TEST(test_entry_freed_on_last_release)
+{
+	struct kl__table *t = table_new();
+	struct kl__table_stats st;
+	struct kl__entry *a, *b;
+	struct tthread w;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_uint_eq(kl__table_queue_size(t, "a", 1), 0);
+	ck_assert_uint_eq(kl__table_size(t), 0); /* asking made nothing */
+
+	ck_assert_int_eq(acquire(t, "a", 1, past(), &a, NULL), KL_OK);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	ck_assert_uint_eq(kl__table_queue_size(t, "a", 1), 0);
+	ck_assert_int_eq(acquire(t, "b", 1, past(), &b, NULL), KL_OK);
+	ck_assert_uint_eq(kl__table_size(t), 2);
+
+	/* A waiter on a held key adds no entry. */
+	tthread_start(&w, t, "a", 1, in_ms(10000));
+	wait_queue(t, "a", 1, 1);
+	ck_assert_uint_eq(kl__table_size(t), 2);
+	ck_assert_uint_eq(kl__table_queue_size(t, "missing", 7), 0);
+	ck_assert_uint_eq(kl__table_size(t), 2);
+
+	kl__table_release(t, b);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, a); /* hands "a" to the waiter, which releases */
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_eq(kl__table_queue_size(t, "a", 1), 0);
+	kl__table_stats(t, &st);
+	ck_assert_uint_eq(st.entries, 0);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_entry_reused_sequentially)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e;
+	uint64_t fence, last = 0;
+
+	for (int i = 0; i < 1000; i++) {
+		ck_assert_int_eq(acquire(t, "seq", 3, past(), &e, &fence),
+				 KL_OK);
+		ck_assert_uint_eq(kl__table_size(t), 1);
+		ck_assert_msg(i == 0 || fence > last,
+			      "fence %llu after %llu at grant %d",
+			      (unsigned long long)fence,
+			      (unsigned long long)last, i);
+		last = fence;
+		kl__table_release(t, e);
+		ck_assert_uint_eq(kl__table_size(t), 0);
+	}
+	kl__table_free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Order and independence                                              */
+
+#define FIFO_N 8
+
+START_TEST(test_fifo_per_key)
+{
+	struct kl__table *t = table_new();
+	struct tthread w[FIFO_N];
+	struct kl__entry *e;
+	atomic_int next = 0;
+	uint64_t f0;
+
+	memset(w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, "fifo", 4, past(), &e, &f0), KL_OK);
+	for (int i = 0; i < FIFO_N; i++) {
+		w[i].next_seq = &next;
+		tthread_start(&w[i], t, "fifo", 4, in_ms(30000));
+		wait_queue(t, "fifo", 4, (size_t)i + 1);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	for (int i = 0; i < FIFO_N; i++)
+		tthread_join(&w[i]);
+	for (int i = 0; i < FIFO_N; i++) {
+		ck_assert_int_eq(w[i].rc, KL_OK);
+		ck_assert_int_eq(w[i].seq, i);
+		/* Every grant, hand-offs included, gets a greater fence. */
+		ck_assert(w[i].fence > (i == 0 ? f0 : w[i - 1].fence));
+	}
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_keys_independent)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e;
+	struct tthread w;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, "a", 1, past(), &e, NULL), KL_OK);
+	ck_assert_int_eq(other_try(t, "b", 1, 0), KL_OK);
+	/* A blocking acquire of another key returns while "a" is held. */
+	tthread_start(&w, t, "b", 1, in_ms(10000));
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_uint_eq(kl__table_queue_size(t, "a", 1), 0);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Deadlines, error-check, cancellation                                */
+
+START_TEST(test_past_deadline_tries_once)
+{
+	struct kl__table *t = table_new();
+	const int64_t pasts[] = { 0, INT64_MIN, 1, -1 };
+	struct kl__entry *e;
+	struct tthread w;
+
+	/* Free: a past deadline still takes it. */
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	/* Held: every past deadline fails at once without queueing. */
+	ck_assert_int_eq(other_try(t, "k", 1, 0), KL_ETIMEDOUT);
+	for (size_t i = 0; i < sizeof pasts / sizeof pasts[0]; i++) {
+		memset(&w, 0, sizeof w);
+		tthread_start(&w, t, "k", 1, pasts[i]);
+		tthread_join(&w);
+		ck_assert_int_eq(w.rc, KL_ETIMEDOUT);
+	}
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 0);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_deadline_times_out_and_leaves)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e;
+	struct tthread w;
+	int64_t deadline;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	deadline = in_ms(50);
+	tthread_start(&w, t, "k", 1, deadline);
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_ETIMEDOUT);
+	/* Never early; late by less than a generous bound. */
+	ck_assert_msg(w.end_ns >= deadline, "returned %lld ns early",
+		      (long long)(deadline - w.end_ns));
+	ck_assert_int_lt(w.end_ns - deadline, 5000 * 1000000LL);
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 0);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+/* The holder re-entering: plain mode is not reentrant (try once times
+ * out, no deadlock), error-check mode reports KL_EDEADLK at once; another
+ * thread in error-check mode just waits. */
+START_TEST(test_errorcheck_reacquire)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e, *e2 = NULL;
+	uint64_t fence;
+	int64_t t0;
+
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, past(), NULL,
+					   KL_ERRORCHECK, &e, &fence),
+			 KL_OK);
+	t0 = now_ns();
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, in_ms(10000), NULL,
+					   KL_ERRORCHECK, &e2, &fence),
+			 KL_EDEADLK);
+	ck_assert_int_lt(now_ns() - t0, 5000 * 1000000LL);
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, past(), NULL, 0, &e2,
+					   &fence),
+			 KL_ETIMEDOUT);
+	ck_assert_int_eq(other_try(t, "k", 1, KL_ERRORCHECK), KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 0);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+
+	/* Held without the flag: the holding thread is still known. */
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, in_ms(10000), NULL,
+					   KL_ERRORCHECK, &e2, &fence),
+			 KL_EDEADLK);
+	kl__table_release(t, e);
+
+	/* Once released, the same thread takes it again. */
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, past(), NULL,
+					   KL_ERRORCHECK, &e, &fence),
+			 KL_OK);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_cancel_leaves_queue)
+{
+	struct kl__table *t = table_new();
+	struct tthread w[3];
+	struct kl__entry *e;
+	kl_cancel *c;
+	atomic_int next = 0;
+
+	memset(w, 0, sizeof w);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	for (int i = 0; i < 3; i++) {
+		w[i].next_seq = &next;
+		w[i].cancel = i == 1 ? c : NULL;
+		tthread_start(&w[i], t, "k", 1,
+			      i == 1 ? KL_NO_DEADLINE : in_ms(30000));
+		wait_queue(t, "k", 1, (size_t)i + 1);
+	}
+	kl_cancel_fire(c);
+	tthread_join(&w[1]);
+	ck_assert_int_eq(w[1].rc, KL_ECANCELED);
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 2);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	tthread_join(&w[0]);
+	tthread_join(&w[2]);
+	ck_assert_int_eq(w[0].rc, KL_OK);
+	ck_assert_int_eq(w[2].rc, KL_OK);
+	ck_assert_int_eq(w[0].seq, 0);
+	ck_assert_int_eq(w[2].seq, 1);
+	ck_assert_int_eq(w[1].seq, -1);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl_cancel_free(c);
+	kl__table_free(t);
+}
+END_TEST
+
+/* A token fired before the call: KL_ECANCELED at once, free key or not,
+ * and no entry is left behind. */
+START_TEST(test_cancel_prefired)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e = NULL;
+	uint64_t fence;
+	kl_cancel *c;
+
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	kl_cancel_fire(c);
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, KL_NO_DEADLINE, c, 0, &e,
+					   &fence),
+			 KL_ECANCELED);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl_cancel_free(c);
+	kl__table_free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* The bug hunt: the last release (entry freed) racing a new acquire    */
+
+#define RACE_THREADS 4
+#define RACE_MAX_KEYS 4
+
+struct race {
+	struct kl__table *t;
+	int nkeys;
+	long rounds;
+	volatile int inside[RACE_MAX_KEYS]; /* plain: guarded by the key */
+	uint64_t last_fence[RACE_MAX_KEYS]; /* plain: guarded by the key */
+	atomic_long violations;
+	atomic_long fence_errors;
+	atomic_long errors;
+};
+
+struct race_worker {
+	pthread_t th;
+	struct race *r;
+	unsigned id;
+};
+
+static const char *const race_keys[RACE_MAX_KEYS] = { "hot0", "hot1",
+						      "hot2", "hot3" };
+
+static void *
+race_main(void *arg)
+{
+	struct race_worker *rw = arg;
+	struct race *r = rw->r;
+	uint32_t x = 2463534242u + rw->id * 7919u;
+
+	for (long i = 0; i < r->rounds; i++) {
+		struct kl__entry *e;
+		uint64_t fence;
+		int k;
+
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		k = (int)(x % (uint32_t)r->nkeys);
+		if (kl__table_acquire(r->t, race_keys[k], 4, KL_NO_DEADLINE,
+				      NULL, 0, &e, &fence) != KL_OK) {
+			atomic_fetch_add(&r->errors, 1);
+			continue;
+		}
+		if (++r->inside[k] != 1)
+			atomic_fetch_add(&r->violations, 1);
+		if (fence <= r->last_fence[k])
+			atomic_fetch_add(&r->fence_errors, 1);
+		r->last_fence[k] = fence;
+		for (int j = 0; j < 4; j++) {
+			if (r->inside[k] != 1)
+				atomic_fetch_add(&r->violations, 1);
+		}
+		r->inside[k]--;
+		kl__table_release(r->t, e);
+	}
+	return NULL;
+}
+
+START_TEST(test_last_release_races_acquire)
+{
+	struct race_worker w[RACE_THREADS];
+	struct race r;
+	struct kl__table_stats st;
+
+	for (int nkeys = 2; nkeys <= RACE_MAX_KEYS; nkeys++) {
+		memset(&r, 0, sizeof r);
+		r.t = table_new();
+		r.nkeys = nkeys;
+		r.rounds = kl_test_scaled(100000, 1000);
+		for (int i = 0; i < RACE_THREADS; i++) {
+			w[i].r = &r;
+			w[i].id = (unsigned)i;
+			test_thread_start(&w[i].th, race_main, &w[i]);
+		}
+		for (int i = 0; i < RACE_THREADS; i++)
+			test_thread_join(w[i].th);
+		ck_assert_int_eq(atomic_load(&r.errors), 0);
+		ck_assert_msg(atomic_load(&r.violations) == 0,
+			      "%ld mutual exclusion violations on %d keys",
+			      atomic_load(&r.violations), nkeys);
+		ck_assert_int_eq(atomic_load(&r.fence_errors), 0);
+		ck_assert_uint_eq(kl__table_size(r.t), 0);
+		kl__table_stats(r.t, &st);
+		ck_assert_uint_eq(st.entries, 0);
+		for (int k = 0; k < nkeys; k++)
+			ck_assert_int_eq(r.inside[k], 0);
+		kl__table_free(r.t);
+	}
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Keys of any bytes and any length                                    */
+
+/* Holds key (copied from buf), checks another thread cannot take an equal
+ * key in a different buffer, that the table keeps its own copy after buf is
+ * overwritten, and that the key is free after release. */
+static void
+check_key(struct kl__table *t, char *buf, size_t len)
+{
+	char *copy = malloc(len + 1);
+	struct kl__entry *e;
+
+	ck_assert_ptr_nonnull(copy);
+	memcpy(copy, buf, len);
+	copy[len] = '\0';
+	ck_assert_int_eq(acquire(t, buf, len, past(), &e, NULL), KL_OK);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	memset(buf, 'Z', len); /* the table must hold its own copy */
+	ck_assert_int_eq(other_try(t, copy, len, 0), KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl__table_queue_size(t, copy, len), 0);
+	if (len > 0 && memcmp(buf, copy, len) != 0) {
+		/* The overwritten bytes are another key. */
+		ck_assert_int_eq(other_try(t, buf, len, 0), KL_OK);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(other_try(t, copy, len, 0), KL_OK);
+	memcpy(buf, copy, len);
+	free(copy);
+}
+
+START_TEST(test_key_empty_and_one_byte)
+{
+	struct kl__table *t = table_new();
+	char empty[1] = "";
+	char one[2] = "x";
+	struct kl__entry *e;
+
+	check_key(t, empty, 0);
+	check_key(t, one, 1);
+	/* "" and "x" are different keys. */
+	ck_assert_int_eq(acquire(t, "", 0, past(), &e, NULL), KL_OK);
+	ck_assert_int_eq(other_try(t, "x", 1, 0), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_key_long)
+{
+	const size_t sizes[] = { 4096, 1024 * 1024 };
+	struct kl__table *t = table_new();
+
+	for (size_t s = 0; s < sizeof sizes / sizeof sizes[0]; s++) {
+		size_t len = sizes[s];
+		char *buf = malloc(len + 1);
+		char *other = malloc(len + 1);
+		struct kl__entry *e;
+
+		ck_assert_ptr_nonnull(buf);
+		ck_assert_ptr_nonnull(other);
+		for (size_t i = 0; i < len; i++)
+			buf[i] = (char)('a' + i % 26);
+		buf[len] = '\0';
+		check_key(t, buf, len);
+
+		/* Differing only in the last byte: independent keys. */
+		memcpy(other, buf, len + 1);
+		other[len - 1] = '#';
+		ck_assert_int_eq(acquire(t, buf, len, past(), &e, NULL),
+				 KL_OK);
+		ck_assert_int_eq(other_try(t, other, len, 0), KL_OK);
+		/* A prefix is another key too. */
+		ck_assert_int_eq(other_try(t, buf, len - 1, 0), KL_OK);
+		kl__table_release(t, e);
+		ck_assert_uint_eq(kl__table_size(t), 0);
+		free(other);
+		free(buf);
+	}
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_key_binary_bytes)
+{
+	struct kl__table *t = table_new();
+	char bin[256], all[256];
+	struct kl__entry *e;
+
+	for (int i = 0; i < 255; i++)
+		bin[i] = (char)(i + 1); /* 0x01 .. 0xFF */
+	bin[255] = '\0';
+	check_key(t, bin, 255);
+	for (int i = 0; i < 256; i++)
+		all[i] = (char)i; /* 0x00 .. 0xFF, NUL first */
+	check_key(t, all, 256);
+
+	/* Invalid UTF-8 differing in one high byte: different keys. */
+	ck_assert_int_eq(acquire(t, "\xc3\x28", 2, past(), &e, NULL), KL_OK);
+	ck_assert_int_eq(other_try(t, "\xc3\x29", 2, 0), KL_OK);
+	ck_assert_int_eq(other_try(t, "\xc3\x28", 2, 0), KL_ETIMEDOUT);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+/* The table takes a length, so NUL is an ordinary byte: "a", "a\0",
+ * "a\0b" and "a\0c" are four different keys. */
+START_TEST(test_key_embedded_nul)
+{
+	static const struct {
+		const char *key;
+		size_t len;
+	} keys[] = { { "a", 1 }, { "a\0", 2 }, { "a\0b", 3 }, { "a\0c", 3 } };
+	enum { N = sizeof keys / sizeof keys[0] };
+	struct kl__table *t = table_new();
+	struct kl__entry *e[N];
+
+	for (int i = 0; i < N; i++) {
+		ck_assert_int_eq(acquire(t, keys[i].key, keys[i].len, past(),
+					 &e[i], NULL),
+				 KL_OK);
+		ck_assert_uint_eq(kl__table_size(t), (size_t)i + 1);
+	}
+	for (int i = 0; i < N; i++) {
+		ck_assert_int_eq(other_try(t, keys[i].key, keys[i].len, 0),
+				 KL_ETIMEDOUT);
+		ck_assert_uint_eq(
+			kl__table_queue_size(t, keys[i].key, keys[i].len), 0);
+	}
+	ck_assert_int_eq(other_try(t, "a\0d", 3, 0), KL_OK);
+	for (int i = 0; i < N; i++)
+		kl__table_release(t, e[i]);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Scale: a million distinct keys leave nothing behind                 */
+
+#define SCALE_THREADS 4
+#define SCALE_LIVE 256 /* entries each thread holds at most at once */
+
+struct scale_worker {
+	pthread_t th;
+	struct kl__table *t;
+	const char *prefix;
+	long first, end;
+	long errors;
+};
+
+static void *
+scale_main(void *arg)
+{
+	struct scale_worker *sw = arg;
+	struct kl__entry *ring[SCALE_LIVE] = { NULL };
+	char key[64];
+	long pos = 0;
+
+	for (long i = sw->first; i < sw->end; i++, pos++) {
+		struct kl__entry **slot = &ring[pos % SCALE_LIVE];
+		uint64_t fence;
+		int n;
+
+		if (*slot != NULL)
+			kl__table_release(sw->t, *slot); /* the oldest */
+		*slot = NULL;
+		/* The same buffer for every key: the table copies it. */
+		n = snprintf(key, sizeof key, "%s%ld", sw->prefix, i);
+		if (kl__table_acquire(sw->t, key, (size_t)n, KL_NO_DEADLINE,
+				      NULL, 0, slot, &fence) != KL_OK) {
+			sw->errors++;
+			*slot = NULL;
+		}
+	}
+	for (int j = 0; j < SCALE_LIVE; j++) {
+		if (ring[j] != NULL)
+			kl__table_release(sw->t, ring[j]);
+	}
+	return NULL;
+}
+
+static long
+run_scale(struct kl__table *t, const char *prefix, long n)
+{
+	struct scale_worker w[SCALE_THREADS];
+	long errors = 0;
+
+	for (int i = 0; i < SCALE_THREADS; i++) {
+		w[i].t = t;
+		w[i].prefix = prefix;
+		w[i].first = n * i / SCALE_THREADS;
+		w[i].end = n * (i + 1) / SCALE_THREADS;
+		w[i].errors = 0;
+		test_thread_start(&w[i].th, scale_main, &w[i]);
+	}
+	for (int i = 0; i < SCALE_THREADS; i++) {
+		test_thread_join(w[i].th);
+		errors += w[i].errors;
+	}
+	return errors;
+}
+
+static long
+resident_bytes(void)
+{
+	long size = 0, resident = 0;
+	FILE *f = fopen("/proc/self/statm", "r");
+
+	if (f == NULL)
+		return -1;
+	if (fscanf(f, "%ld %ld", &size, &resident) != 2)
+		resident = -1;
+	fclose(f);
+	return resident < 0 ? -1 : resident * sysconf(_SC_PAGESIZE);
+}
+
+static void
+trim(void)
+{
+#ifdef __GLIBC__
+	malloc_trim(0);
+#endif
+}
+
+START_TEST(test_million_keys_memory)
+{
+	struct kl__table *t = table_new();
+	long n = kl_test_scaled(1000000, 10000);
+	long before, after;
+
+	/* Warm up so that each thread's malloc arena exists already. */
+	ck_assert_int_eq(run_scale(t, "warm:", 20000), 0);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	trim();
+	before = resident_bytes();
+
+	ck_assert_int_eq(run_scale(t, "user:", n), 0);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	trim();
+	after = resident_bytes();
+
+	if (!UNDER_SANITIZER && before > 0 && after > 0) {
+		ck_assert_msg(after - before < 64L * 1024 * 1024,
+			      "resident set grew by %ld KiB over %ld keys",
+			      (after - before) / 1024, n);
+	}
+	kl__table_free(t);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Flooding: keys crafted to collide under an unkeyed hash             */
+
+#define FNV_OFFSET 0xcbf29ce484222325ULL
+#define FNV_PRIME 0x100000001b3ULL
+#define FLOOD_BITS 16
+#define FLOOD_MASK ((1ULL << FLOOD_BITS) - 1)
+#define FLOOD_TARGET 0x5a5aULL
+#define FLOOD_KEY_MAX 32
+
+static uint64_t
+fnv1a(const void *data, size_t len)
+{
+	const unsigned char *p = data;
+	uint64_t h = FNV_OFFSET;
+
+	for (size_t i = 0; i < len; i++)
+		h = (h ^ p[i]) * FNV_PRIME;
+	return h;
+}
+
+/* Writes "flood:<i>:" and three more bytes into buf so that the FNV-1a 64
+ * hash of the key ends in FLOOD_TARGET (its low FLOOD_BITS bits), as an
+ * attacker would against a table indexed by an unkeyed hash.  The low bits
+ * of FNV-1a depend only on the low bits of its state, and the last step
+ * multiplies by an odd number, so the state before the last byte must end
+ * in FLOOD_TARGET * FNV_PRIME^-1: a brute force over two bytes finds a state
+ * whose bits 8..15 match, and the last byte fixes the low 8.  Returns the
+ * key's length, 0 when no suffix was found. */
+static size_t
+flood_key(char *buf, long i, uint64_t pre)
+{
+	int n = snprintf(buf, FLOOD_KEY_MAX, "flood:%ld:", i);
+	uint64_t h0 = fnv1a(buf, (size_t)n);
+
+	for (unsigned b1 = 1; b1 < 256; b1++) {
+		uint64_t h1 = (h0 ^ b1) * FNV_PRIME;
+
+		for (unsigned b2 = 1; b2 < 256; b2++) {
+			uint64_t h2 = (h1 ^ b2) * FNV_PRIME;
+			uint64_t b3 = (pre ^ h2) & FLOOD_MASK;
+
+			if (b3 == 0 || b3 > 0xff)
+				continue;
+			buf[n] = (char)b1;
+			buf[n + 1] = (char)b2;
+			buf[n + 2] = (char)b3;
+			buf[n + 3] = '\0';
+			return (size_t)n + 3;
+		}
+	}
+	return 0;
+}
+
+START_TEST(test_flooding_keys_probes)
+{
+	long n = kl_test_scaled(100000, 2000);
+	char *keys = malloc((size_t)n * FLOOD_KEY_MAX);
+	size_t *lens = malloc((size_t)n * sizeof *lens);
+	struct kl__entry **e = malloc((size_t)n * sizeof *e);
+	struct kl__table_stats st;
+	struct kl__table *t;
+	uint64_t inv = FNV_PRIME, pre;
+	double avg;
+
+	ck_assert_ptr_nonnull(keys);
+	ck_assert_ptr_nonnull(lens);
+	ck_assert_ptr_nonnull(e);
+	for (int i = 0; i < 5; i++)
+		inv *= 2 - FNV_PRIME * inv; /* Newton: inverse mod 2^64 */
+	ck_assert(inv * FNV_PRIME == 1);
+	pre = (FLOOD_TARGET * inv) & FLOOD_MASK;
+	for (long i = 0; i < n; i++) {
+		char *k = keys + i * FLOOD_KEY_MAX;
+
+		lens[i] = flood_key(k, i, pre);
+		ck_assert_uint_ne(lens[i], 0);
+		/* The keys do collide under the unkeyed hash. */
+		ck_assert_uint_eq(fnv1a(k, lens[i]) & FLOOD_MASK,
+				  FLOOD_TARGET);
+	}
+
+	/* A fixed seed makes a failure reproducible. */
+	kl__test_set_hash_seed(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL);
+	t = table_new();
+	for (long i = 0; i < n; i++) {
+		ck_assert_int_eq(acquire(t, keys + i * FLOOD_KEY_MAX, lens[i],
+					 past(), &e[i], NULL),
+				 KL_OK);
+	}
+	ck_assert_uint_eq(kl__table_size(t), (size_t)n);
+	/* Look each one up again while all are live. */
+	for (long i = 0; i < n; i++) {
+		ck_assert_uint_eq(kl__table_queue_size(
+					  t, keys + i * FLOOD_KEY_MAX, lens[i]),
+				  0);
+	}
+	kl__table_stats(t, &st);
+	ck_assert_uint_eq(st.entries, (size_t)n);
+	ck_assert_uint_ge(st.lookups, (uint64_t)n);
+	avg = (double)st.probes / (double)st.lookups;
+	ck_assert_msg(avg < 4.0, "%.2f probes per lookup (%llu / %llu)", avg,
+		      (unsigned long long)st.probes,
+		      (unsigned long long)st.lookups);
+	ck_assert_msg(st.max_chain <= 16, "max chain %zu over %zu buckets",
+		      st.max_chain, st.buckets);
+	for (long i = 0; i < n; i++)
+		kl__table_release(t, e[i]);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+	free(e);
+	free(lens);
+	free(keys);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static Suite *
+table_suite(void)
+{
+	Suite *s = suite_create("table");
+	TCase *tc;
+
+	tc = tcase_create("lifecycle");
+	tcase_add_test(tc, test_entry_freed_on_last_release);
+	tcase_add_test(tc, test_entry_reused_sequentially);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("order");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_fifo_per_key);
+	tcase_add_test(tc, test_keys_independent);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("waiting");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_past_deadline_tries_once);
+	tcase_add_test(tc, test_deadline_times_out_and_leaves);
+	tcase_add_test(tc, test_errorcheck_reacquire);
+	tcase_add_test(tc, test_cancel_leaves_queue);
+	tcase_add_test(tc, test_cancel_prefired);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("race");
+	tcase_set_timeout(tc, 600);
+	tcase_add_test(tc, test_last_release_races_acquire);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("keys");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_key_empty_and_one_byte);
+	tcase_add_test(tc, test_key_long);
+	tcase_add_test(tc, test_key_binary_bytes);
+	tcase_add_test(tc, test_key_embedded_nul);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("scale");
+	tcase_set_timeout(tc, 600);
+	tcase_add_test(tc, test_million_keys_memory);
+	tcase_add_test(tc, test_flooding_keys_probes);
+	suite_add_tcase(s, tc);
+
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr = srunner_create(table_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

@@ -1,0 +1,386 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Helpers shared by the Check suites (see util.h).  The waiter threads never
+ * call ck_assert*: they only store results and publish them through atomics
+ * (seq_cst throughout, nothing here is hot), which the test's thread reads
+ * before asserting.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include "util.h"
+
+#include <check.h>
+#include <errno.h>
+#include <sched.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define TEST_STACK_SIZE (512 * 1024)
+
+double
+kl_test_scale(void)
+{
+	const char *s = getenv("KL_TEST_SCALE");
+	char *end;
+	double v;
+
+	if (s == NULL || *s == '\0')
+		return 1.0;
+	v = strtod(s, &end);
+	if (end == s || *end != '\0' || !(v > 0.0))
+		return 1.0;
+	return v;
+}
+
+long
+kl_test_scaled(long n, long min)
+{
+	double v = (double)n * kl_test_scale();
+
+	if (v < (double)min)
+		return min;
+	if (v > 1e12)
+		return 1000000000000L;
+	return (long)v;
+}
+
+int64_t
+now_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int64_t
+now_ms(void)
+{
+	return now_ns() / 1000000;
+}
+
+void
+test_sleep_ms(int64_t ms)
+{
+	struct timespec ts = {
+		.tv_sec = ms / 1000,
+		.tv_nsec = (long)(ms % 1000) * 1000000,
+	};
+
+	while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+		;
+}
+
+void
+test_relax(unsigned *spins)
+{
+	struct timespec ts = { .tv_sec = 0, .tv_nsec = 50000 };
+
+	if (++*spins < 64)
+		sched_yield();
+	else
+		nanosleep(&ts, NULL);
+}
+
+void
+test_poll(bool (*cond)(void *arg), void *arg, const char *what)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	unsigned spins = 0;
+
+	while (!cond(arg)) {
+		if (now_ms() > limit)
+			ck_abort_msg("still waiting for %s after %d ms", what,
+				     TEST_POLL_LIMIT_MS);
+		test_relax(&spins);
+	}
+}
+
+void
+test_thread_start(pthread_t *t, void *(*fn)(void *arg), void *arg)
+{
+	pthread_attr_t attr;
+	int rc;
+
+	ck_assert_int_eq(pthread_attr_init(&attr), 0);
+	ck_assert_int_eq(pthread_attr_setstacksize(&attr, TEST_STACK_SIZE), 0);
+	rc = pthread_create(t, &attr, fn, arg);
+	pthread_attr_destroy(&attr);
+	ck_assert_msg(rc == 0, "pthread_create: %s", strerror(rc));
+}
+
+void
+test_thread_join(pthread_t t)
+{
+	int rc = pthread_join(t, NULL);
+
+	ck_assert_msg(rc == 0, "pthread_join: %s", strerror(rc));
+}
+
+struct queue_cond {
+	kl_mutex *m;
+	kl_reset_event *e;
+	size_t n;
+};
+
+static bool
+queue_is(void *arg)
+{
+	struct queue_cond *c = arg;
+	size_t len = c->m != NULL ? kl_mutex_queue_size(c->m)
+				  : kl_reset_event_queue_size(c->e);
+
+	return len == c->n;
+}
+
+void
+test_wait_mutex_queue(kl_mutex *m, size_t n)
+{
+	struct queue_cond c = { .m = m, .n = n };
+
+	test_poll(queue_is, &c, "the mutex queue size");
+	ck_assert_uint_eq(kl_mutex_queue_size(m), n);
+}
+
+void
+test_wait_event_queue(kl_reset_event *e, size_t n)
+{
+	struct queue_cond c = { .e = e, .n = n };
+
+	test_poll(queue_is, &c, "the reset event queue size");
+	ck_assert_uint_eq(kl_reset_event_queue_size(e), n);
+}
+
+/* ------------------------------------------------------------------ */
+/* Waiter groups                                                       */
+
+static struct tw_group *
+tw_new(enum tw_kind kind)
+{
+	struct tw_group *g = calloc(1, sizeof *g);
+
+	ck_assert_ptr_nonnull(g);
+	g->kind = kind;
+	atomic_init(&g->next_seq, 0);
+	atomic_init(&g->granted, 0);
+	atomic_init(&g->finished, 0);
+	for (int i = 0; i < TW_MAX; i++)
+		atomic_init(&g->order[i], -1);
+	return g;
+}
+
+struct tw_group *
+tw_mutex(kl_mutex *m, bool leave)
+{
+	struct tw_group *g = tw_new(TW_MUTEX);
+
+	g->m = m;
+	g->leave = leave;
+	return g;
+}
+
+struct tw_group *
+tw_event(kl_reset_event *e)
+{
+	struct tw_group *g = tw_new(TW_EVENT);
+
+	g->e = e;
+	return g;
+}
+
+void
+tw_free(struct tw_group *g)
+{
+	if (g == NULL)
+		return;
+	tw_join_all(g);
+	free(g);
+}
+
+/* Records a grant: the sequence number is taken inside the critical section
+ * (mutex), so it is the true grant order there. */
+static void
+record_grant(struct tw_waiter *w)
+{
+	struct tw_group *g = w->g;
+	long seq = atomic_fetch_add(&g->next_seq, 1);
+
+	w->seq = seq;
+	if (seq >= 0 && seq < TW_MAX)
+		atomic_store(&g->order[seq], w->index);
+	atomic_fetch_add(&g->granted, 1);
+}
+
+static void *
+tw_main(void *arg)
+{
+	struct tw_waiter *w = arg;
+	struct tw_group *g = w->g;
+	kl_token tok;
+	int rc;
+
+	memset(&tok, 0, sizeof tok);
+	w->start_ns = now_ns();
+	if (g->kind == TW_MUTEX)
+		rc = kl_mutex_enter(g->m, w->timeout_ms, w->cancel, &tok);
+	else
+		rc = kl_reset_event_wait(g->e, w->timeout_ms, w->cancel);
+	w->end_ns = now_ns();
+	w->status = rc;
+	w->token = tok;
+	if (rc == KL_OK) {
+		record_grant(w);
+		if (g->kind == TW_MUTEX && g->leave)
+			w->leave_status = kl_mutex_leave(g->m, tok, false);
+	}
+	atomic_fetch_add(&g->finished, 1);
+	atomic_store(&w->finished, true);
+	return NULL;
+}
+
+int
+tw_start(struct tw_group *g, int64_t timeout_ms, kl_cancel *c)
+{
+	struct tw_waiter *w;
+
+	ck_assert_int_lt(g->n, TW_MAX);
+	w = &g->w[g->n];
+	w->g = g;
+	w->index = g->n;
+	w->timeout_ms = timeout_ms;
+	w->cancel = c;
+	w->joined = false;
+	w->status = 1; /* no KL_* value: "never returned" */
+	w->seq = -1;
+	w->leave_status = 1;
+	atomic_init(&w->finished, false);
+	test_thread_start(&w->thread, tw_main, w);
+	return g->n++;
+}
+
+static size_t
+tw_queue_size(struct tw_group *g)
+{
+	return g->kind == TW_MUTEX ? kl_mutex_queue_size(g->m)
+				   : kl_reset_event_queue_size(g->e);
+}
+
+int
+tw_start_queued(struct tw_group *g, int64_t timeout_ms, kl_cancel *c)
+{
+	size_t base = tw_queue_size(g);
+	int i = tw_start(g, timeout_ms, c);
+
+	tw_wait_queue(g, base + 1);
+	return i;
+}
+
+void
+tw_start_n_queued(struct tw_group *g, int n, int64_t timeout_ms,
+		  kl_cancel *c)
+{
+	for (int i = 0; i < n; i++)
+		tw_start_queued(g, timeout_ms, c);
+}
+
+void
+tw_wait_queue(struct tw_group *g, size_t n)
+{
+	if (g->kind == TW_MUTEX)
+		test_wait_mutex_queue(g->m, n);
+	else
+		test_wait_event_queue(g->e, n);
+}
+
+struct count_cond {
+	atomic_int *counter;
+	int n;
+};
+
+static bool
+count_reached(void *arg)
+{
+	struct count_cond *c = arg;
+
+	return atomic_load(c->counter) >= c->n;
+}
+
+void
+tw_wait_granted(struct tw_group *g, int n)
+{
+	struct count_cond c = { .counter = &g->granted, .n = n };
+
+	test_poll(count_reached, &c, "waiters to be granted");
+}
+
+static bool
+waiter_finished(void *arg)
+{
+	struct tw_waiter *w = arg;
+
+	return atomic_load(&w->finished);
+}
+
+void
+tw_wait_finished(struct tw_group *g, int i)
+{
+	ck_assert_int_lt(i, g->n);
+	test_poll(waiter_finished, &g->w[i], "a waiter to finish");
+}
+
+void
+tw_join(struct tw_group *g, int i)
+{
+	ck_assert_int_lt(i, g->n);
+	if (g->w[i].joined)
+		return;
+	/* A bounded wait first, so a lost wake-up fails instead of hanging. */
+	tw_wait_finished(g, i);
+	test_thread_join(g->w[i].thread);
+	g->w[i].joined = true;
+}
+
+void
+tw_join_all(struct tw_group *g)
+{
+	for (int i = 0; i < g->n; i++)
+		tw_join(g, i);
+}
+
+struct order_cond {
+	struct tw_group *g;
+	int seq;
+};
+
+static bool
+order_known(void *arg)
+{
+	struct order_cond *c = arg;
+
+	return atomic_load(&c->g->order[c->seq]) >= 0;
+}
+
+int
+tw_pass(struct tw_group *g)
+{
+	struct order_cond c = { .g = g, .seq = g->passed };
+	int i;
+
+	ck_assert(g->kind == TW_MUTEX && !g->leave);
+	ck_assert_int_lt(g->passed, TW_MAX);
+	test_poll(order_known, &c, "the next grant");
+	i = atomic_load(&g->order[g->passed]);
+	ck_assert_int_eq(g->w[i].status, KL_OK);
+	ck_assert_int_eq(kl_mutex_leave(g->m, g->w[i].token, false), KL_OK);
+	g->passed++;
+	return i;
+}
+
+int64_t
+tw_waited_ns(const struct tw_group *g, int i)
+{
+	return g->w[i].end_ns - g->w[i].start_ns;
+}
