@@ -12,6 +12,9 @@
 #ifdef HAVE_CONFIG_H
 #include "config.h"
 #endif
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* nftw, mkdtemp without config.h */
+#endif
 
 #include <check.h>
 #include <dlfcn.h>
@@ -141,6 +144,14 @@ struct holder {
 	atomic_bool done;
 };
 
+static bool
+holder_done(void *arg)
+{
+	struct holder *h = arg;
+
+	return atomic_load(&h->done);
+}
+
 static void *
 holder_main(void *arg)
 {
@@ -176,6 +187,7 @@ START_TEST(test_size_counts_keys)
 	test_thread_start(&h.th, holder_main, &h);
 	ck_assert_uint_eq(kl_memory_provider_size(p), 2);
 	kl_lease_release(k1); /* the waiter (queued or not) gets it */
+	test_poll(holder_done, &h, "the waiter to finish");
 	test_thread_join(h.th);
 	ck_assert_int_eq(h.rc, KL_OK);
 	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
@@ -499,6 +511,8 @@ START_TEST(test_user_provider_gets_arguments)
 	ck_assert_int_eq(u.ttl_ms, 5678);
 	ck_assert_uint_eq(u.flags & KL_ERRORCHECK, KL_ERRORCHECK);
 	ck_assert_ptr_eq(u.released_lease, &u.lease_cookie);
+	/* The call's token reaches the provider (as is, or wrapped). */
+	ck_assert_ptr_nonnull(u.cancel);
 
 	/* A lease: fence, validity and key come from the provider. */
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
