@@ -156,7 +156,8 @@ KL_API void kl_mutex_free(kl_mutex *m);
 KL_API int kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c,
 			  kl_token *out) KL_ATTR(warn_unused_result);
 /* Takes it only if it is free and nobody waits (never barges): KL_OK or
- * KL_ETIMEDOUT.  Since 0.1. */
+ * KL_ETIMEDOUT; KL_EDEADLK as for enter; KL_EINVAL for NULL arguments.
+ * Same as kl_mutex_enter(m, 0, NULL, out).  Since 0.1. */
 KL_API int kl_mutex_try_enter(kl_mutex *m, kl_token *out)
 	KL_ATTR(warn_unused_result);
 /* Leaves with the owner's token (from any thread) and hands the mutex to the
@@ -168,12 +169,16 @@ KL_API int kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending);
  * NULL) gets fn's value.  Returns the enter status.  Since 0.1. */
 KL_API int kl_mutex_run(kl_mutex *m, int64_t timeout_ms, kl_cancel *c,
 			int (*fn)(void *arg), void *arg, int *fn_result);
+/* Whether a token holds it (false for NULL).  Since 0.1. */
 KL_API bool kl_mutex_is_locked(kl_mutex *m);
-/* Live waiters, not the holder.  Since 0.1. */
+/* Live waiters, not the holder (0 for NULL).  Since 0.1. */
 KL_API size_t kl_mutex_queue_size(kl_mutex *m);
 /* Replaces the options; lowering max_queue evicts at once (FIRST evicts the
- * oldest, THIS and LAST the newest) with KL_EOVERFLOW.  KL_EINVAL.  */
+ * oldest, THIS and LAST the newest) with KL_EOVERFLOW.  KL_EINVAL for NULL
+ * arguments, a bad strategy or unknown flags.  Since 0.1. */
 KL_API int kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts);
+/* Copies the options into *out.  KL_EINVAL for NULL arguments.  Since
+ * 0.1. */
 KL_API int kl_mutex_get_opts(kl_mutex *m, kl_queue_opts *out);
 /* Milliseconds since enter was called with this token.  Since 0.1. */
 KL_API int64_t kl_token_elapsed_ms(kl_token t);
@@ -234,13 +239,17 @@ KL_API int kl_named_run(kl_registry *r, const char *name, int64_t timeout_ms,
 KL_API int kl_named_run_cancel(kl_registry *r, const char *name,
 			       int64_t timeout_ms, kl_cancel *c,
 			       int (*fn)(void *arg), void *arg, int *fn_result);
+/* The state of a name: false / 0 for a missing or NULL name.  Since 0.1. */
 KL_API bool kl_named_is_locked(kl_registry *r, const char *name);
 KL_API bool kl_named_exists(kl_registry *r, const char *name);
 KL_API size_t kl_named_queue_size(kl_registry *r, const char *name);
-/* KL_ENOTFOUND for a missing name. */
+/* KL_ENOTFOUND for a missing name, KL_EINVAL for NULL arguments. */
 KL_API int kl_named_get_opts(kl_registry *r, const char *name,
 			     kl_queue_opts *out);
-/* Creates the name if missing; lowering max_queue evicts at once. */
+/* Sets the options of name, creating it if missing (with in, or with the
+ * defaults when in is NULL; NULL leaves an existing name unchanged).
+ * Lowering max_queue evicts at once.  KL_EINVAL for a NULL name or bad
+ * options, KL_ENOMEM.  Since 0.1. */
 KL_API int kl_named_set_opts(kl_registry *r, const char *name,
 			     const kl_queue_opts *in);
 /* KL_ENOTFOUND when missing, KL_EINVAL while held or waited on. */
@@ -286,8 +295,10 @@ typedef struct {
 	void (*destroy)(void *impl);
 } kl_provider_ops;
 
-/* Wraps a user provider.  ops is copied.  KL_EINVAL when ops lacks acquire
- * or release or struct_size is wrong.  Since 0.1. */
+/* Wraps a user provider.  ops is copied (name must stay valid).  KL_EINVAL
+ * when ops lacks acquire or release or struct_size is smaller than this
+ * version's first kl_provider_ops or larger than the current one; destroy is
+ * not called then.  Since 0.1. */
 KL_API int kl_provider_new(kl_provider **out, const kl_provider_ops *ops,
 			   void *impl) KL_ATTR(warn_unused_result);
 
@@ -319,6 +330,11 @@ typedef enum {
 	KL_EV_LOST = 4
 } kl_event_type;
 
+/* Events are raised in the thread that called kl_lock_run, kl_lock_acquire
+ * or kl_lease_release, with no internal lock held: ACQUIRED at grant time
+ * (waited_ms), RELEASED (held_ms), REJECTED for every failure to acquire
+ * (status says why; key is NULL for KL_ENOKEY), RELEASE_FAILED (status),
+ * LOST when a distributed lease could not be kept. */
 typedef struct {
 	kl_event_type type;
 	const char *key; /* valid during the callback only */
@@ -330,10 +346,10 @@ typedef struct {
 typedef void (*kl_event_fn)(const kl_event *ev, void *arg);
 
 typedef struct {
-	kl_provider *provider; /* NULL: kl_memory_provider() */
+	kl_provider *provider; /* NULL: kl_memory_provider(); must outlive */
 	const char *key;       /* NULL: each call's key */
 	int64_t timeout_ms;    /* KL_FOREVER: as long as the cancel allows */
-	int64_t ttl_ms;        /* 0: the provider's default */
+	int64_t ttl_ms;        /* 0: the provider's default; >= 0 */
 	kl_event_fn on_event;
 	void *event_arg;
 	unsigned flags; /* KL_ERRORCHECK */

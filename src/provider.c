@@ -45,6 +45,8 @@ kl__key_printable(char *buf, size_t size, const char *key, size_t len)
 	buf[n] = '\0';
 }
 
+#define MIN_OPS_SIZE (offsetof(kl_provider_ops, destroy) + sizeof(void (*)(void)))
+
 int
 kl_provider_new(kl_provider **out, const kl_provider_ops *ops, void *impl)
 {
@@ -53,12 +55,15 @@ kl_provider_new(kl_provider **out, const kl_provider_ops *ops, void *impl)
 	if (out == NULL)
 		return KL_EINVAL;
 	*out = NULL;
-	if (ops == NULL || ops->struct_size != sizeof *ops ||
-	    ops->acquire == NULL || ops->release == NULL)
+	/* A provider built against an older, shorter kl_provider_ops is
+	 * accepted; members it does not know stay NULL. */
+	if (ops == NULL || ops->struct_size < MIN_OPS_SIZE ||
+	    ops->struct_size > sizeof *ops || ops->acquire == NULL ||
+	    ops->release == NULL)
 		return KL_EINVAL;
 	if ((p = kl__calloc(1, sizeof *p)) == NULL)
 		return KL_ENOMEM;
-	p->ops = *ops;
+	memcpy(&p->ops, ops, ops->struct_size);
 	p->impl = impl;
 	*out = p;
 	return KL_OK;

@@ -1,0 +1,1288 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the Lock strategy (kl_lock_*, kl_lease_*) through the public API:
+ * key resolution (the lock's key wins, then the call's, else KL_ENOKEY),
+ * exclusion through the shared memory provider, arrival-order grants,
+ * timeouts and cancellation (also racing a grant), events and their
+ * delivery with no internal lock held, run-under-lock on every path, leases,
+ * fences, non-reentrancy and error-check, user providers that fail, option
+ * copying and validation, and a mutual exclusion stress.
+ *
+ * Orders are forced through kl_memory_provider_queue_size (a public probe
+ * of the memory provider: threads waiting for a key), never by sleeping.
+ * Worker threads and event callbacks never call ck_assert*: they record,
+ * and the test's thread asserts after joining them.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <check.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "keylock.h"
+#include "util.h"
+
+/* ------------------------------------------------------------------ */
+/* Helpers                                                             */
+
+static kl_lock *
+lock_make(kl_provider *p, const char *key, int64_t timeout_ms,
+	  unsigned flags, kl_event_fn on_event, void *event_arg)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	o.on_event = on_event;
+	o.event_arg = event_arg;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_ptr_nonnull(l);
+	return l;
+}
+
+static kl_provider *
+private_provider(void)
+{
+	kl_provider *p = NULL;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+struct qcond {
+	kl_provider *p;
+	const char *key;
+	size_t n;
+};
+
+static bool
+queue_is(void *arg)
+{
+	struct qcond *c = arg;
+
+	return kl_memory_provider_queue_size(c->p, c->key) == c->n;
+}
+
+static void
+wait_queue(kl_provider *p, const char *key, size_t n)
+{
+	struct qcond c = { .p = p, .key = key, .n = n };
+
+	test_poll(queue_is, &c, "the key's queue size");
+}
+
+/* True when key is free on p: another lock takes it at once. */
+static bool
+key_free(kl_provider *p, const char *key)
+{
+	kl_lock *l = lock_make(p, key, 0, 0, NULL, NULL);
+	kl_lease *lease = NULL;
+	int rc = kl_lock_acquire(l, NULL, &lease, NULL);
+
+	if (rc == KL_OK)
+		kl_lease_release(lease);
+	kl_lock_free(l);
+	return rc == KL_OK;
+}
+
+static int
+fn_count(void *arg)
+{
+	atomic_fetch_add((atomic_int *)arg, 1);
+	return 7;
+}
+
+/* Events, recorded by the callback (any thread) for the test to check. */
+#define EV_MAX 32
+
+struct ev {
+	kl_event_type type;
+	bool key_null;
+	char key[64];
+	int status;
+	int64_t waited_ms, held_ms;
+};
+
+struct evlog {
+	pthread_mutex_t mu;
+	int n;
+	struct ev ev[EV_MAX];
+};
+
+static void
+evlog_init(struct evlog *g)
+{
+	memset(g, 0, sizeof *g);
+	pthread_mutex_init(&g->mu, NULL);
+}
+
+static void
+evlog_fini(struct evlog *g)
+{
+	pthread_mutex_destroy(&g->mu);
+}
+
+static void
+evlog_fn(const kl_event *e, void *arg)
+{
+	struct evlog *g = arg;
+
+	pthread_mutex_lock(&g->mu);
+	if (g->n < EV_MAX) {
+		struct ev *v = &g->ev[g->n];
+
+		v->type = e->type;
+		v->key_null = e->key == NULL;
+		snprintf(v->key, sizeof v->key, "%s",
+			 e->key != NULL ? e->key : "");
+		v->status = e->status;
+		v->waited_ms = e->waited_ms;
+		v->held_ms = e->held_ms;
+	}
+	g->n++;
+	pthread_mutex_unlock(&g->mu);
+}
+
+static void
+check_event(struct evlog *g, int i, kl_event_type type, const char *key,
+	    int status)
+{
+	ck_assert_int_gt(g->n, i);
+	ck_assert_int_eq(g->ev[i].type, type);
+	if (key == NULL) {
+		ck_assert(g->ev[i].key_null);
+	} else {
+		ck_assert(!g->ev[i].key_null);
+		ck_assert_str_eq(g->ev[i].key, key);
+	}
+	ck_assert_int_eq(g->ev[i].status, status);
+}
+
+/* A thread in kl_lock_run (or kl_lock_acquire then release). */
+struct lw {
+	pthread_t th;
+	kl_lock *l;
+	kl_call call;
+	atomic_int *next_seq; /* grant ranks, may be NULL */
+	/* Outputs. */
+	int rc;
+	int seq;
+	int ran;
+	int fn_result;
+	kl_error err;
+	int64_t start_ns, end_ns;
+	atomic_bool done;
+};
+
+static int
+lw_fn(void *arg)
+{
+	struct lw *w = arg;
+
+	if (w->next_seq != NULL)
+		w->seq = atomic_fetch_add(w->next_seq, 1);
+	w->ran++;
+	return 11;
+}
+
+static void *
+lw_main(void *arg)
+{
+	struct lw *w = arg;
+
+	w->start_ns = now_ns();
+	w->rc = kl_lock_run(w->l, &w->call, lw_fn, w, &w->fn_result, &w->err);
+	w->end_ns = now_ns();
+	atomic_store(&w->done, true);
+	return NULL;
+}
+
+static void
+lw_start(struct lw *w, kl_lock *l, const char *call_key, kl_cancel *c)
+{
+	w->l = l;
+	w->call.key = call_key;
+	w->call.cancel = c;
+	w->rc = 1; /* no KL_* value: never returned */
+	w->seq = -1;
+	w->ran = 0;
+	memset(&w->err, 0, sizeof w->err);
+	atomic_init(&w->done, false);
+	test_thread_start(&w->th, lw_main, w);
+}
+
+static bool
+lw_done(void *arg)
+{
+	struct lw *w = arg;
+
+	return atomic_load(&w->done);
+}
+
+static void
+lw_join(struct lw *w)
+{
+	test_poll(lw_done, w, "a lock thread to finish");
+	test_thread_join(w->th);
+}
+
+/* ------------------------------------------------------------------ */
+/* Keys                                                                */
+
+/* Every lock without a provider shares kl_memory_provider(). */
+START_TEST(test_same_key_excludes)
+{
+	kl_lock *a = lock_make(NULL, "reports", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *b = lock_make(NULL, "reports", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *b0 = lock_make(NULL, "reports", 0, 0, NULL, NULL);
+	kl_provider *s = kl_memory_provider();
+	kl_lease *lease = NULL;
+	atomic_int ran = 0;
+	struct lw w;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(kl_lock_acquire(a, NULL, &lease, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_run(b0, NULL, fn_count, &ran, NULL, NULL),
+			 KL_ETIMEDOUT);
+	ck_assert_int_eq(atomic_load(&ran), 0);
+	lw_start(&w, b, NULL, NULL);
+	wait_queue(s, "reports", 1);
+	ck_assert_int_eq(w.ran, 0); /* still waiting */
+	kl_lease_release(lease);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(w.ran, 1);
+	ck_assert_int_eq(w.fn_result, 11);
+	ck_assert(key_free(s, "reports"));
+	kl_lock_free(a);
+	kl_lock_free(b);
+	kl_lock_free(b0);
+}
+END_TEST
+
+START_TEST(test_lock_key_wins)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "lockkey", KL_FOREVER, 0, NULL, NULL);
+	kl_call call = { .key = "callkey", .cancel = NULL };
+	kl_lease *lease = NULL;
+
+	ck_assert_int_eq(kl_lock_acquire(l, &call, &lease, NULL), KL_OK);
+	ck_assert_str_eq(kl_lease_key(lease), "lockkey");
+	ck_assert(!key_free(p, "lockkey"));
+	ck_assert(key_free(p, "callkey"));
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	kl_lease_release(lease);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_call_key_used)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	char buf[16] = "callkey";
+	kl_call call = { .key = buf, .cancel = NULL };
+	kl_lease *lease = NULL;
+
+	ck_assert_int_eq(kl_lock_acquire(l, &call, &lease, NULL), KL_OK);
+	memset(buf, 'x', sizeof buf - 1); /* the lease keeps its own key */
+	ck_assert_str_eq(kl_lease_key(lease), "callkey");
+	ck_assert(!key_free(p, "callkey"));
+	kl_lease_release(lease);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Neither key: KL_ENOKEY, err filled, one REJECTED event without a key,
+ * fn never runs. */
+START_TEST(test_no_key)
+{
+	kl_call nokey = { .key = NULL, .cancel = NULL };
+	kl_lease *lease = (kl_lease *)&lease;
+	atomic_int ran = 0;
+	struct evlog g;
+	kl_error err;
+	kl_lock *l;
+
+	evlog_init(&g);
+	l = lock_make(NULL, NULL, KL_FOREVER, 0, evlog_fn, &g);
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, &err),
+			 KL_ENOKEY);
+	ck_assert_int_eq(err.status, KL_ENOKEY);
+	ck_assert(err.message[0] != '\0');
+	ck_assert_int_eq(g.n, 1);
+	check_event(&g, 0, KL_EV_REJECTED, NULL, KL_ENOKEY);
+
+	ck_assert_int_eq(kl_lock_run(l, &nokey, fn_count, &ran, NULL, NULL),
+			 KL_ENOKEY);
+	ck_assert_int_eq(kl_lock_acquire(l, &nokey, &lease, NULL), KL_ENOKEY);
+	ck_assert_ptr_null(lease);
+	ck_assert_int_eq(atomic_load(&ran), 0);
+	ck_assert_int_eq(g.n, 3);
+	check_event(&g, 1, KL_EV_REJECTED, NULL, KL_ENOKEY);
+	check_event(&g, 2, KL_EV_REJECTED, NULL, KL_ENOKEY);
+	kl_lock_free(l);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* kl_lock_new copies opts and the key: changing or freeing the caller's
+ * copies afterwards changes nothing. */
+START_TEST(test_new_copies_opts_and_key)
+{
+	kl_provider *p = private_provider(), *q = private_provider();
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	char *key = strdup("copied");
+	kl_lease *lease = NULL;
+	kl_lock *l;
+
+	ck_assert_ptr_nonnull(key);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = KL_FOREVER;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	memset(key, 'z', strlen(key));
+	free(key);
+	o.provider = q;
+	o.key = "other";
+	o.timeout_ms = 0;
+
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	ck_assert_str_eq(kl_lease_key(lease), "copied");
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	ck_assert_uint_eq(kl_memory_provider_size(q), 0);
+	ck_assert(!key_free(p, "copied"));
+	kl_lease_release(lease);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+static void
+new_fails(kl_lock_opts *o)
+{
+	kl_lock *l = (kl_lock *)&l;
+
+	ck_assert_int_eq(kl_lock_new(&l, o), KL_EINVAL);
+	ck_assert_ptr_null(l);
+}
+
+START_TEST(test_new_rejects_bad_opts)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+	atomic_int ran = 0;
+
+	o.timeout_ms = -2;
+	new_fails(&o);
+	o.timeout_ms = INT64_MIN;
+	new_fails(&o);
+	o.timeout_ms = KL_FOREVER;
+	o.ttl_ms = -2;
+	new_fails(&o);
+	o.ttl_ms = 0;
+	o.flags = 0x80u;
+	new_fails(&o);
+
+	/* NULL opts are the defaults. */
+	ck_assert_int_eq(kl_lock_new(&l, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_run(l, &(kl_call){ .key = "lock:defaults" },
+				     fn_count, &ran, NULL, NULL),
+			 KL_OK);
+	ck_assert_int_eq(atomic_load(&ran), 1);
+	ck_assert_int_eq(kl_lock_run(l, NULL, NULL, NULL, NULL, NULL),
+			 KL_EINVAL);
+	kl_lock_free(l);
+	kl_lock_free(NULL);
+	kl_lease_release(NULL);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Arrival order                                                       */
+
+#define FIFO_N 8
+
+START_TEST(test_grants_in_arrival_order)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "fifo", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *callers = lock_make(p, NULL, 30000, 0, NULL, NULL);
+	struct lw w[FIFO_N];
+	kl_lease *lease = NULL;
+	atomic_int next = 0;
+
+	memset(w, 0, sizeof w);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	for (int i = 0; i < FIFO_N; i++) {
+		w[i].next_seq = &next;
+		/* Half through the lock's key, half through the call's. */
+		lw_start(&w[i], i % 2 ? l : callers, i % 2 ? NULL : "fifo",
+			 NULL);
+		wait_queue(p, "fifo", (size_t)i + 1);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	kl_lease_release(lease);
+	for (int i = 0; i < FIFO_N; i++)
+		lw_join(&w[i]);
+	for (int i = 0; i < FIFO_N; i++) {
+		ck_assert_int_eq(w[i].rc, KL_OK);
+		ck_assert_int_eq(w[i].seq, i);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_lock_free(callers);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Timeouts and cancellation                                           */
+
+START_TEST(test_timeout_rejected)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "slow", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *l;
+	kl_lease *lease = NULL;
+	atomic_int ran = 0;
+	struct evlog g;
+	kl_error err;
+	int64_t t0, t1;
+
+	evlog_init(&g);
+	l = lock_make(p, "slow", 50, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	memset(&err, 0, sizeof err);
+	t0 = now_ns();
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, &err),
+			 KL_ETIMEDOUT);
+	t1 = now_ns();
+	ck_assert_int_eq(atomic_load(&ran), 0);
+	ck_assert_int_ge(t1 - t0, 50 * 1000000LL); /* never early */
+	ck_assert_int_lt(t1 - t0, 5000 * 1000000LL);
+	ck_assert_int_eq(err.status, KL_ETIMEDOUT);
+	ck_assert(err.message[0] != '\0');
+	ck_assert_int_eq(g.n, 1);
+	check_event(&g, 0, KL_EV_REJECTED, "slow", KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl_memory_provider_queue_size(p, "slow"), 0);
+
+	/* Timeout 0 tries once, with the same report. */
+	kl_lock_free(l);
+	l = lock_make(p, "slow", 0, 0, evlog_fn, &g);
+	t0 = now_ns();
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, &err),
+			 KL_ETIMEDOUT);
+	ck_assert_int_lt(now_ns() - t0, 5000 * 1000000LL);
+	ck_assert_int_eq(atomic_load(&ran), 0);
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 1, KL_EV_REJECTED, "slow", KL_ETIMEDOUT);
+	kl_lease_release(lease);
+	ck_assert(key_free(p, "slow"));
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, &err),
+			 KL_OK);
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+START_TEST(test_cancel_during_wait)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "c", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *l;
+	kl_lease *lease = NULL;
+	struct evlog g;
+	kl_cancel *c;
+	struct lw w;
+
+	evlog_init(&g);
+	memset(&w, 0, sizeof w);
+	l = lock_make(p, "c", KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	lw_start(&w, l, NULL, c);
+	wait_queue(p, "c", 1);
+	kl_cancel_fire(c);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_ECANCELED);
+	ck_assert_int_eq(w.ran, 0);
+	ck_assert_int_eq(w.err.status, KL_ECANCELED);
+	ck_assert_uint_eq(kl_memory_provider_queue_size(p, "c"), 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	ck_assert_int_eq(g.n, 1);
+	check_event(&g, 0, KL_EV_REJECTED, "c", KL_ECANCELED);
+	kl_lease_release(lease);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+
+	/* Fired before the call: KL_ECANCELED at once, free key or not. */
+	memset(&w, 0, sizeof w);
+	lw_start(&w, l, NULL, c);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_ECANCELED);
+	ck_assert_int_eq(w.ran, 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+
+	kl_cancel_free(c);
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* A cancel racing the grant: the holder releases while a third thread
+ * fires the queued waiter's token.  Exactly one outcome: fn ran once and
+ * the call returned KL_OK, or fn never ran and it returned KL_ECANCELED;
+ * the key is free afterwards either way. */
+struct firer {
+	pthread_t th;
+	kl_cancel *c;
+	atomic_bool *go;
+};
+
+static void *
+firer_main(void *arg)
+{
+	struct firer *f = arg;
+
+	while (!atomic_load(f->go))
+		; /* spin: the point is to race the release */
+	kl_cancel_fire(f->c);
+	return NULL;
+}
+
+START_TEST(test_cancel_races_grant)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "race", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *l = lock_make(p, "race", KL_FOREVER, 0, NULL, NULL);
+	long rounds = kl_test_scaled(2000, 100);
+	long granted = 0, cancelled = 0, bad = 0, stuck = 0;
+
+	for (long i = 0; i < rounds; i++) {
+		kl_lease *lease = NULL;
+		atomic_bool go = false;
+		struct firer f;
+		struct lw w;
+
+		memset(&w, 0, sizeof w);
+		ck_assert_int_eq(kl_cancel_new(&f.c), KL_OK);
+		f.go = &go;
+		ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+		lw_start(&w, l, NULL, f.c);
+		wait_queue(p, "race", 1);
+		test_thread_start(&f.th, firer_main, &f);
+		atomic_store(&go, true);
+		kl_lease_release(lease);
+		lw_join(&w);
+		test_thread_join(f.th);
+		if (w.rc == KL_OK && w.ran == 1)
+			granted++;
+		else if (w.rc == KL_ECANCELED && w.ran == 0)
+			cancelled++;
+		else
+			bad++;
+		if (!key_free(p, "race"))
+			stuck++;
+		kl_cancel_free(f.c);
+	}
+	ck_assert_msg(bad == 0, "%ld rounds with a wrong outcome", bad);
+	ck_assert_msg(stuck == 0, "%ld rounds left the key held", stuck);
+	ck_assert_int_eq(granted + cancelled, rounds);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Events                                                              */
+
+static int
+fn_sleep_20(void *arg)
+{
+	(void)arg;
+	test_sleep_ms(20); /* a duration under test: held_ms */
+	return 3;
+}
+
+START_TEST(test_acquired_released_events)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "ev", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *lease = NULL;
+	struct evlog g;
+	kl_lock *l;
+	struct lw w;
+	int res = 0;
+
+	evlog_init(&g);
+	l = lock_make(p, "ev", KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_sleep_20, NULL, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 3);
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 0, KL_EV_ACQUIRED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[0].waited_ms, 0);
+	check_event(&g, 1, KL_EV_RELEASED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[1].held_ms, 20);
+	ck_assert_int_lt(g.ev[1].held_ms, 5000);
+
+	/* A waiter's ACQUIRED tells how long it waited. */
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	lw_start(&w, l, NULL, NULL);
+	wait_queue(p, "ev", 1);
+	test_sleep_ms(30); /* a duration under test: waited_ms */
+	kl_lease_release(lease);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 2, KL_EV_ACQUIRED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[2].waited_ms, 30);
+	ck_assert_int_lt(g.ev[2].waited_ms, 5000);
+	check_event(&g, 3, KL_EV_RELEASED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[3].held_ms, 0);
+
+	/* kl_lock_acquire and kl_lease_release raise the same events. */
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	ck_assert_int_eq(g.n, 5);
+	check_event(&g, 4, KL_EV_ACQUIRED, "ev", KL_OK);
+	kl_lease_release(lease);
+	ck_assert_int_eq(g.n, 6);
+	check_event(&g, 5, KL_EV_RELEASED, "ev", KL_OK);
+
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* A callback that takes other locks (timeout 0) on many keys of the same
+ * provider and asks its size: with an internal lock held (a shard lock of
+ * the table, say) this would deadlock or fail. */
+#define PROBE_KEYS 128
+
+struct probe {
+	kl_lock *other; /* no key, timeout 0, no callback */
+	kl_provider *p;
+	atomic_int calls;
+	atomic_int failures;
+	atomic_int types[5];
+};
+
+static void
+probe_fn(const kl_event *e, void *arg)
+{
+	struct probe *pr = arg;
+
+	atomic_fetch_add(&pr->calls, 1);
+	if ((unsigned)e->type < 5)
+		atomic_fetch_add(&pr->types[e->type], 1);
+	for (int i = 0; i < PROBE_KEYS; i++) {
+		char key[32];
+		kl_call call = { .key = key, .cancel = NULL };
+		kl_lease *lease = NULL;
+
+		snprintf(key, sizeof key, "probe:%d", i);
+		if (kl_lock_acquire(pr->other, &call, &lease, NULL) != KL_OK)
+			atomic_fetch_add(&pr->failures, 1);
+		else
+			kl_lease_release(lease);
+	}
+	/* At ACQUIRED (and at REJECTED, in this test) e->key is held. */
+	if (e->type != KL_EV_RELEASED && kl_memory_provider_size(pr->p) == 0)
+		atomic_fetch_add(&pr->failures, 1);
+	(void)kl_memory_provider_queue_size(pr->p, "ev:main");
+}
+
+START_TEST(test_events_without_internal_lock)
+{
+	kl_provider *s = kl_memory_provider();
+	kl_lock *h = lock_make(NULL, "ev:main", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *lease = NULL;
+	atomic_int ran = 0;
+	struct probe pr;
+	kl_lock *l, *l0;
+
+	memset(&pr, 0, sizeof pr);
+	pr.p = s;
+	pr.other = lock_make(NULL, NULL, 0, 0, NULL, NULL);
+	l = lock_make(NULL, "ev:main", KL_FOREVER, 0, probe_fn, &pr);
+	l0 = lock_make(NULL, "ev:main", 0, 0, probe_fn, &pr);
+
+	/* ACQUIRED and RELEASED. */
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, NULL),
+			 KL_OK);
+	ck_assert_int_eq(atomic_load(&pr.types[KL_EV_ACQUIRED]), 1);
+	ck_assert_int_eq(atomic_load(&pr.types[KL_EV_RELEASED]), 1);
+	/* REJECTED (the key is held by h, so size stays above 0). */
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_run(l0, NULL, fn_count, &ran, NULL, NULL),
+			 KL_ETIMEDOUT);
+	ck_assert_int_eq(atomic_load(&pr.types[KL_EV_REJECTED]), 1);
+	kl_lease_release(lease);
+
+	ck_assert_int_eq(atomic_load(&pr.calls), 3);
+	ck_assert_int_eq(atomic_load(&pr.failures), 0);
+	ck_assert_int_eq(atomic_load(&ran), 1);
+	ck_assert(key_free(s, "ev:main"));
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_lock_free(l0);
+	kl_lock_free(pr.other);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Run under lock, leases, fences                                      */
+
+static int
+fn_return(void *arg)
+{
+	return *(int *)arg;
+}
+
+START_TEST(test_run_releases_on_every_path)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "run", KL_FOREVER, 0, NULL, NULL);
+	const int values[] = { 0, 42, -1, KL_ETIMEDOUT, KL_EPROVIDER };
+	kl_error err;
+
+	for (size_t i = 0; i < sizeof values / sizeof values[0]; i++) {
+		int v = values[i], res = 12345;
+
+		memset(&err, 0x55, sizeof err);
+		ck_assert_int_eq(kl_lock_run(l, NULL, fn_return, &v, &res,
+					     &err),
+				 KL_OK);
+		ck_assert_int_eq(res, v);
+		ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+		ck_assert(key_free(p, "run"));
+		/* fn_result and err may be NULL. */
+		ck_assert_int_eq(kl_lock_run(l, NULL, fn_return, &v, NULL,
+					     NULL),
+				 KL_OK);
+		ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	}
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+struct releaser {
+	pthread_t th;
+	kl_lease *lease;
+};
+
+static void *
+releaser_main(void *arg)
+{
+	struct releaser *r = arg;
+
+	kl_lease_release(r->lease);
+	return NULL;
+}
+
+START_TEST(test_release_from_another_thread)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "x", KL_FOREVER, 0, NULL, NULL);
+	struct releaser r;
+
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &r.lease, NULL), KL_OK);
+	ck_assert(kl_lease_valid(r.lease));
+	ck_assert_str_eq(kl_lease_key(r.lease), "x");
+	ck_assert(!key_free(p, "x"));
+	test_thread_start(&r.th, releaser_main, &r);
+	test_thread_join(r.th);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert(key_free(p, "x"));
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_fence_grows)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "fence", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *lease = NULL, *first;
+	uint64_t last = 0;
+	struct lw w;
+
+	for (int i = 0; i < 20; i++) {
+		ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL),
+				 KL_OK);
+		ck_assert_msg(i == 0 || kl_lease_fence(lease) > last,
+			      "fence %llu after %llu",
+			      (unsigned long long)kl_lease_fence(lease),
+			      (unsigned long long)last);
+		last = kl_lease_fence(lease);
+		kl_lease_release(lease);
+	}
+	/* Across a hand-off too: the waiter's grant is a later one. */
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &first, NULL), KL_OK);
+	ck_assert(kl_lease_fence(first) > last);
+	last = kl_lease_fence(first);
+	lw_start(&w, l, NULL, NULL);
+	wait_queue(p, "fence", 1);
+	kl_lease_release(first);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	/* Two grants since "first": the waiter's, then this one. */
+	ck_assert_uint_ge(kl_lease_fence(lease), last + 2);
+	kl_lease_release(lease);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Not reentrant                                                       */
+
+struct nest {
+	kl_lock *l;
+	int inner_rc;
+	int inner_ran;
+	int64_t inner_ns;
+};
+
+static int
+nest_inner(void *arg)
+{
+	((struct nest *)arg)->inner_ran++;
+	return 0;
+}
+
+static int
+nest_outer(void *arg)
+{
+	struct nest *n = arg;
+	int64_t t0 = now_ns();
+
+	n->inner_rc = kl_lock_run(n->l, NULL, nest_inner, n, NULL, NULL);
+	n->inner_ns = now_ns() - t0;
+	return 1;
+}
+
+START_TEST(test_nested_same_key_times_out)
+{
+	kl_provider *p = private_provider();
+	struct nest n;
+	int res = 0;
+
+	memset(&n, 0, sizeof n);
+	n.l = lock_make(p, "nest", 50, 0, NULL, NULL);
+	ck_assert_int_eq(kl_lock_run(n.l, NULL, nest_outer, &n, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 1);
+	ck_assert_int_eq(n.inner_rc, KL_ETIMEDOUT);
+	ck_assert_int_eq(n.inner_ran, 0);
+	ck_assert_int_ge(n.inner_ns, 50 * 1000000LL);
+	ck_assert_int_lt(n.inner_ns, 5000 * 1000000LL);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(n.l);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_nested_errorcheck_deadlk)
+{
+	kl_provider *p = private_provider();
+	kl_lease *lease = NULL, *again = (kl_lease *)&again;
+	struct evlog g;
+	struct nest n;
+	int res = 0;
+
+	evlog_init(&g);
+	memset(&n, 0, sizeof n);
+	n.l = lock_make(p, "nest", 30000, KL_ERRORCHECK, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_run(n.l, NULL, nest_outer, &n, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(n.inner_rc, KL_EDEADLK);
+	ck_assert_int_eq(n.inner_ran, 0);
+	ck_assert_int_lt(n.inner_ns, 5000 * 1000000LL);
+	ck_assert_int_eq(g.n, 3);
+	check_event(&g, 0, KL_EV_ACQUIRED, "nest", KL_OK);
+	check_event(&g, 1, KL_EV_REJECTED, "nest", KL_EDEADLK);
+	check_event(&g, 2, KL_EV_RELEASED, "nest", KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+
+	/* The same through leases. */
+	ck_assert_int_eq(kl_lock_acquire(n.l, NULL, &lease, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(n.l, NULL, &again, NULL), KL_EDEADLK);
+	ck_assert_ptr_null(again);
+	kl_lease_release(lease);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(n.l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* User providers that fail                                            */
+
+/* A tiny provider over a pthread mutex and a flag, one lock for all keys,
+ * whose acquire or release can be told to fail. */
+struct up {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool held;
+	int acquires, releases;
+	int acquire_status, release_status;
+	char lease_cookie;
+};
+
+static int
+up_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
+	   uint64_t *fence, kl_error *err)
+{
+	struct up *u = impl;
+	int rc = KL_OK;
+
+	(void)key;
+	(void)key_len;
+	(void)cancel;
+	(void)ttl_ms;
+	(void)flags;
+	pthread_mutex_lock(&u->mu);
+	u->acquires++;
+	if (u->acquire_status != KL_OK) {
+		rc = u->acquire_status;
+		if (err != NULL) {
+			err->status = rc;
+			snprintf(err->message, sizeof err->message,
+				 "up: server on fire");
+		}
+	} else if (u->held && timeout_ms == 0) {
+		rc = KL_ETIMEDOUT;
+	} else {
+		while (u->held)
+			pthread_cond_wait(&u->cv, &u->mu);
+		u->held = true;
+		*lease = &u->lease_cookie;
+		*fence = 1;
+	}
+	pthread_mutex_unlock(&u->mu);
+	return rc;
+}
+
+static int
+up_release(void *impl, void *lease, kl_error *err)
+{
+	struct up *u = impl;
+	int rc;
+
+	(void)lease;
+	pthread_mutex_lock(&u->mu);
+	u->releases++;
+	u->held = false;
+	pthread_cond_broadcast(&u->cv);
+	rc = u->release_status;
+	pthread_mutex_unlock(&u->mu);
+	if (rc != KL_OK && err != NULL) {
+		err->status = rc;
+		snprintf(err->message, sizeof err->message, "up: lost it");
+	}
+	return rc;
+}
+
+static const kl_provider_ops up_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "up",
+	.acquire = up_acquire,
+	.release = up_release,
+};
+
+static kl_provider *
+up_new(struct up *u)
+{
+	kl_provider *p = NULL;
+
+	memset(u, 0, sizeof *u);
+	pthread_mutex_init(&u->mu, NULL);
+	pthread_cond_init(&u->cv, NULL);
+	ck_assert_int_eq(kl_provider_new(&p, &up_ops, u), KL_OK);
+	return p;
+}
+
+static void
+up_free(struct up *u, kl_provider *p)
+{
+	kl_provider_free(p);
+	pthread_cond_destroy(&u->cv);
+	pthread_mutex_destroy(&u->mu);
+}
+
+START_TEST(test_release_failure_event)
+{
+	kl_lease *lease = NULL;
+	struct evlog g;
+	kl_provider *p;
+	struct up u;
+	kl_lock *l;
+	int v = 5, res = 0;
+
+	evlog_init(&g);
+	p = up_new(&u);
+	u.release_status = KL_EPROVIDER;
+	l = lock_make(p, "rf", KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_return, &v, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 5);
+	ck_assert_int_eq(u.releases, 1);
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 0, KL_EV_ACQUIRED, "rf", KL_OK);
+	check_event(&g, 1, KL_EV_RELEASE_FAILED, "rf", KL_EPROVIDER);
+
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	kl_lease_release(lease);
+	ck_assert_int_eq(u.releases, 2);
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 3, KL_EV_RELEASE_FAILED, "rf", KL_EPROVIDER);
+	kl_lock_free(l);
+	up_free(&u, p);
+	evlog_fini(&g);
+}
+END_TEST
+
+START_TEST(test_acquire_failure_provider)
+{
+	kl_lease *lease = (kl_lease *)&lease;
+	atomic_int ran = 0;
+	struct evlog g;
+	kl_provider *p;
+	kl_error err;
+	struct up u;
+	kl_lock *l;
+
+	evlog_init(&g);
+	p = up_new(&u);
+	u.acquire_status = KL_EPROVIDER;
+	l = lock_make(p, "af", KL_FOREVER, 0, evlog_fn, &g);
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_count, &ran, NULL, &err),
+			 KL_EPROVIDER);
+	ck_assert_int_eq(atomic_load(&ran), 0);
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+	ck_assert_msg(strstr(err.message, "server on fire") != NULL,
+		      "message \"%s\"", err.message);
+	ck_assert_int_eq(u.releases, 0);
+	ck_assert_int_eq(g.n, 1);
+	check_event(&g, 0, KL_EV_REJECTED, "af", KL_EPROVIDER);
+
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_EPROVIDER);
+	ck_assert_ptr_null(lease);
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 1, KL_EV_REJECTED, "af", KL_EPROVIDER);
+	kl_lock_free(l);
+	up_free(&u, p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Mutual exclusion stress                                             */
+
+#define STRESS_THREADS 16
+#define STRESS_KEYS 64
+
+struct stress {
+	kl_provider *p;
+	long iters;
+	char keys[STRESS_KEYS][16];
+	volatile int counter[STRESS_KEYS]; /* plain: guarded by the key */
+	long total[STRESS_KEYS];           /* plain: guarded by the key */
+	atomic_long violations;
+	atomic_long errors;
+};
+
+struct stress_arg {
+	struct stress *s;
+	int k;
+};
+
+static int
+stress_fn(void *arg)
+{
+	struct stress_arg *a = arg;
+	struct stress *s = a->s;
+
+	for (int j = 0; j < 10; j++)
+		s->counter[a->k]++;
+	if (s->counter[a->k] != 10)
+		atomic_fetch_add(&s->violations, 1);
+	s->counter[a->k] = 0;
+	s->total[a->k]++;
+	return 0;
+}
+
+struct stress_worker {
+	pthread_t th;
+	struct stress *s;
+	unsigned id;
+};
+
+static void *
+stress_main(void *arg)
+{
+	struct stress_worker *sw = arg;
+	struct stress *s = sw->s;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	uint32_t x = 88172645u ^ (sw->id * 2654435761u);
+	kl_lock *l;
+
+	o.provider = s->p;
+	if (kl_lock_new(&l, &o) != KL_OK) {
+		atomic_fetch_add(&s->errors, 1);
+		return NULL;
+	}
+	for (long i = 0; i < s->iters; i++) {
+		struct stress_arg a = { .s = s };
+		kl_call call = { .cancel = NULL };
+
+		x ^= x << 13;
+		x ^= x >> 17;
+		x ^= x << 5;
+		a.k = (int)(x % STRESS_KEYS);
+		call.key = s->keys[a.k];
+		if (kl_lock_run(l, &call, stress_fn, &a, NULL, NULL) != KL_OK)
+			atomic_fetch_add(&s->errors, 1);
+	}
+	kl_lock_free(l);
+	return NULL;
+}
+
+START_TEST(test_mutual_exclusion_stress)
+{
+	struct stress_worker w[STRESS_THREADS];
+	struct stress *s = calloc(1, sizeof *s);
+	long sum = 0;
+
+	ck_assert_ptr_nonnull(s);
+	s->p = private_provider();
+	s->iters = kl_test_scaled(62500, 500);
+	for (int k = 0; k < STRESS_KEYS; k++)
+		snprintf(s->keys[k], sizeof s->keys[k], "stress:%d", k);
+	for (int i = 0; i < STRESS_THREADS; i++) {
+		w[i].s = s;
+		w[i].id = (unsigned)i + 1;
+		test_thread_start(&w[i].th, stress_main, &w[i]);
+	}
+	for (int i = 0; i < STRESS_THREADS; i++)
+		test_thread_join(w[i].th);
+	ck_assert_int_eq(atomic_load(&s->errors), 0);
+	ck_assert_msg(atomic_load(&s->violations) == 0,
+		      "%ld mutual exclusion violations",
+		      atomic_load(&s->violations));
+	for (int k = 0; k < STRESS_KEYS; k++)
+		sum += s->total[k];
+	ck_assert_int_eq(sum, s->iters * STRESS_THREADS);
+	ck_assert_uint_eq(kl_memory_provider_size(s->p), 0);
+	kl_provider_free(s->p);
+	free(s);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static Suite *
+lock_suite(void)
+{
+	Suite *s = suite_create("lock");
+	TCase *tc;
+
+	tc = tcase_create("keys");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_same_key_excludes);
+	tcase_add_test(tc, test_lock_key_wins);
+	tcase_add_test(tc, test_call_key_used);
+	tcase_add_test(tc, test_no_key);
+	tcase_add_test(tc, test_new_copies_opts_and_key);
+	tcase_add_test(tc, test_new_rejects_bad_opts);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("order");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_grants_in_arrival_order);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("timeout_cancel");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_timeout_rejected);
+	tcase_add_test(tc, test_cancel_during_wait);
+	tcase_add_test(tc, test_cancel_races_grant);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("events");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_acquired_released_events);
+	tcase_add_test(tc, test_events_without_internal_lock);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("run_and_leases");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_run_releases_on_every_path);
+	tcase_add_test(tc, test_release_from_another_thread);
+	tcase_add_test(tc, test_fence_grows);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("reentry");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_nested_same_key_times_out);
+	tcase_add_test(tc, test_nested_errorcheck_deadlk);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("provider_failures");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_release_failure_event);
+	tcase_add_test(tc, test_acquire_failure_provider);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("stress");
+	tcase_set_timeout(tc, 900);
+	tcase_add_test(tc, test_mutual_exclusion_stress);
+	suite_add_tcase(s, tc);
+
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr = srunner_create(lock_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

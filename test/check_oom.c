@@ -1,0 +1,638 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Allocation failure sweep.  For each scenario and k = 1, 2, ... the test
+ * hook of src/internal.h (KL_TEST_HOOKS) fails the k-th allocation from
+ * now; the scenario must return KL_ENOMEM with its outputs NULL (or absorb
+ * the failure and return KL_OK), leave no trace behind, and an immediately
+ * repeated run without failure must succeed.  The sweep ends once a run
+ * succeeds having made fewer than k allocations.  Leaks are caught by
+ * LeakSanitizer in the ASan stage, so every scenario frees what it made.
+ *
+ * The hook counts allocations of the whole process, so scenarios here are
+ * single-threaded and set up everything they do not test before arming.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <check.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h" /* kl__test_fail_alloc_at only */
+#include "keylock.h"
+
+#ifndef KL_TEST_HOOKS
+#error "check_oom needs -DKL_TEST_HOOKS and a library built with the hooks"
+#endif
+
+/* No scenario makes this many allocations: a sweep that gets here is
+ * stuck. */
+#define MAX_K 10000
+
+/* A non-NULL value that outputs must be reset from. */
+#define SENTINEL ((void *)&sentinel_storage)
+static char sentinel_storage;
+
+struct ctx {
+	/* Set up before arming, freed by teardown. */
+	kl_provider *provider;
+	kl_registry *registry;
+	kl_lock *lock;
+	/* Outputs of the armed run. */
+	kl_mutex *m;
+	kl_reset_event *e;
+	kl_cancel *c;
+	kl_provider *p;
+	kl_lease *lease;
+	kl_error err;
+	int fn_calls;
+	int fn_result;
+};
+
+struct scenario {
+	const char *name;
+	void (*setup)(struct ctx *x);
+	/* The armed part: returns its status; with KL_OK its outputs are
+	 * kept for teardown, otherwise they were checked to be NULL. */
+	int (*run)(struct ctx *x);
+	/* Checks the state after a KL_ENOMEM (test's thread). */
+	void (*check_failed)(struct ctx *x);
+	void (*teardown)(struct ctx *x);
+};
+
+static void
+sweep(const struct scenario *s)
+{
+	long k, n = 0, failures = 0;
+	int rc, first;
+
+	for (k = 1; k <= MAX_K; k++) {
+		struct ctx x, y;
+
+		memset(&x, 0, sizeof x);
+		if (s->setup != NULL)
+			s->setup(&x);
+		kl__test_fail_alloc_at(k);
+		rc = first = s->run(&x);
+		n = kl__test_fail_alloc_at(0);
+		ck_assert_msg(rc == KL_OK || rc == KL_ENOMEM,
+			      "%s, k=%ld: %s", s->name, k, kl_strerror(rc));
+		if (rc == KL_ENOMEM) {
+			ck_assert_msg(n >= k,
+				      "%s, k=%ld: KL_ENOMEM after %ld "
+				      "allocations, none failed",
+				      s->name, k, n);
+			failures++;
+			if (s->check_failed != NULL)
+				s->check_failed(&x);
+		}
+		s->teardown(&x);
+
+		/* The same again with no failure succeeds. */
+		memset(&y, 0, sizeof y);
+		if (s->setup != NULL)
+			s->setup(&y);
+		rc = s->run(&y);
+		ck_assert_msg(rc == KL_OK, "%s, k=%ld: the repeat gave %s",
+			      s->name, k, kl_strerror(rc));
+		s->teardown(&y);
+
+		if (first == KL_OK && n < k)
+			break;
+	}
+	ck_assert_msg(k <= MAX_K, "%s: no success within %d allocations",
+		      s->name, MAX_K);
+	/* Not vacuous: every scenario allocates, so at least k = 1 failed. */
+	ck_assert_msg(failures > 0, "%s: no allocation was ever failed",
+		      s->name);
+	fprintf(stderr, "%s: %ld allocations, %ld runs failed\n", s->name, n,
+		failures);
+}
+
+/* ------------------------------------------------------------------ */
+/* Objects                                                             */
+
+static int
+run_mutex_new(struct ctx *x)
+{
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
+	int rc;
+
+	o.max_queue = 4;
+	x->m = SENTINEL;
+	rc = kl_mutex_new(&x->m, &o);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->m);
+	return rc;
+}
+
+static void
+teardown_mutex(struct ctx *x)
+{
+	kl_token t;
+
+	if (x->m != NULL) {
+		/* The mutex made works. */
+		ck_assert_int_eq(kl_mutex_try_enter(x->m, &t), KL_OK);
+		ck_assert_int_eq(kl_mutex_leave(x->m, t, false), KL_OK);
+	}
+	kl_mutex_free(x->m);
+}
+
+START_TEST(test_oom_mutex_new)
+{
+	static const struct scenario s = {
+		.name = "kl_mutex_new",
+		.run = run_mutex_new,
+		.teardown = teardown_mutex,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_reset_event_new(struct ctx *x)
+{
+	kl_reset_opts o = KL_RESET_OPTS_INIT;
+	int rc;
+
+	o.auto_reset_count = 2;
+	x->e = SENTINEL;
+	rc = kl_reset_event_new(&x->e, true, &o);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->e);
+	return rc;
+}
+
+static void
+teardown_reset_event(struct ctx *x)
+{
+	if (x->e != NULL)
+		ck_assert_int_eq(kl_reset_event_wait(x->e, 0, NULL), KL_OK);
+	kl_reset_event_free(x->e);
+}
+
+START_TEST(test_oom_reset_event_new)
+{
+	static const struct scenario s = {
+		.name = "kl_reset_event_new",
+		.run = run_reset_event_new,
+		.teardown = teardown_reset_event,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_cancel_new(struct ctx *x)
+{
+	int rc;
+
+	x->c = SENTINEL;
+	rc = kl_cancel_new(&x->c);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->c);
+	return rc;
+}
+
+static void
+teardown_cancel(struct ctx *x)
+{
+	if (x->c != NULL) {
+		kl_cancel_fire(x->c);
+		ck_assert(kl_cancel_fired(x->c));
+	}
+	kl_cancel_free(x->c);
+}
+
+START_TEST(test_oom_cancel_new)
+{
+	static const struct scenario s = {
+		.name = "kl_cancel_new",
+		.run = run_cancel_new,
+		.teardown = teardown_cancel,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_cancel_new_timeout(struct ctx *x)
+{
+	int rc;
+
+	x->c = SENTINEL;
+	rc = kl_cancel_new_timeout(&x->c, 60000);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->c);
+	else
+		ck_assert(!kl_cancel_fired(x->c));
+	return rc;
+}
+
+START_TEST(test_oom_cancel_new_timeout)
+{
+	static const struct scenario s = {
+		.name = "kl_cancel_new_timeout",
+		.run = run_cancel_new_timeout,
+		.teardown = teardown_cancel,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_cancel_new_timeout_zero(struct ctx *x)
+{
+	int rc;
+
+	x->c = SENTINEL;
+	rc = kl_cancel_new_timeout(&x->c, 0);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->c);
+	else
+		ck_assert(kl_cancel_fired(x->c));
+	return rc;
+}
+
+START_TEST(test_oom_cancel_new_timeout_zero)
+{
+	static const struct scenario s = {
+		.name = "kl_cancel_new_timeout(0)",
+		.run = run_cancel_new_timeout_zero,
+		.teardown = teardown_cancel,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Registry                                                            */
+
+static int
+run_registry_set_opts(struct ctx *x)
+{
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT, got;
+	int rc;
+
+	x->registry = SENTINEL;
+	rc = kl_registry_new(&x->registry);
+	if (rc != KL_OK) {
+		ck_assert_ptr_null(x->registry);
+		return rc;
+	}
+	o.max_queue = 3;
+	o.overflow = KL_OVERFLOW_LAST;
+	rc = kl_named_set_opts(x->registry, "alpha", &o);
+	if (rc != KL_OK)
+		return rc;
+	ck_assert(kl_named_exists(x->registry, "alpha"));
+	ck_assert_int_eq(kl_named_get_opts(x->registry, "alpha", &got), KL_OK);
+	ck_assert_uint_eq(got.max_queue, 3);
+	ck_assert_int_eq(got.overflow, KL_OVERFLOW_LAST);
+	return KL_OK;
+}
+
+static void
+check_registry_failed(struct ctx *x)
+{
+	kl_queue_opts got;
+
+	if (x->registry == NULL)
+		return;
+	/* The name was not half made. */
+	ck_assert(!kl_named_exists(x->registry, "alpha"));
+	ck_assert_int_eq(kl_named_get_opts(x->registry, "alpha", &got),
+			 KL_ENOTFOUND);
+}
+
+static void
+teardown_registry(struct ctx *x)
+{
+	kl_registry_free(x->registry);
+}
+
+START_TEST(test_oom_registry_set_opts)
+{
+	static const struct scenario s = {
+		.name = "kl_registry_new + kl_named_set_opts",
+		.run = run_registry_set_opts,
+		.check_failed = check_registry_failed,
+		.teardown = teardown_registry,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+count_fn(void *arg)
+{
+	struct ctx *x = arg;
+
+	x->fn_calls++;
+	return 42;
+}
+
+static void
+setup_registry(struct ctx *x)
+{
+	ck_assert_int_eq(kl_registry_new(&x->registry), KL_OK);
+}
+
+static int
+run_named_run(struct ctx *x)
+{
+	int rc;
+
+	x->fn_result = -1;
+	rc = kl_named_run(x->registry, "beta", KL_FOREVER, count_fn, x,
+			  &x->fn_result);
+	if (rc == KL_OK) {
+		ck_assert_int_eq(x->fn_calls, 1);
+		ck_assert_int_eq(x->fn_result, 42);
+		ck_assert(!kl_named_is_locked(x->registry, "beta"));
+	} else {
+		ck_assert_int_eq(x->fn_calls, 0);
+	}
+	return rc;
+}
+
+static void
+check_named_run_failed(struct ctx *x)
+{
+	ck_assert(!kl_named_exists(x->registry, "beta"));
+	ck_assert(!kl_named_is_locked(x->registry, "beta"));
+}
+
+START_TEST(test_oom_named_run)
+{
+	static const struct scenario s = {
+		.name = "kl_named_run",
+		.setup = setup_registry,
+		.run = run_named_run,
+		.check_failed = check_named_run_failed,
+		.teardown = teardown_registry,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Providers and locks                                                 */
+
+static int
+run_memory_provider_new(struct ctx *x)
+{
+	int rc;
+
+	x->p = SENTINEL;
+	rc = kl_memory_provider_new(&x->p);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->p);
+	else
+		ck_assert_uint_eq(kl_memory_provider_size(x->p), 0);
+	return rc;
+}
+
+static void
+teardown_provider(struct ctx *x)
+{
+	kl_provider_free(x->p);
+}
+
+START_TEST(test_oom_memory_provider_new)
+{
+	static const struct scenario s = {
+		.name = "kl_memory_provider_new",
+		.run = run_memory_provider_new,
+		.teardown = teardown_provider,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_lock_new(struct ctx *x)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	char key[] = "a key that is copied";
+	int rc;
+
+	o.key = key;
+	o.timeout_ms = 1000;
+	x->lock = SENTINEL;
+	rc = kl_lock_new(&x->lock, &o);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(x->lock);
+	memset(key, 'x', sizeof key - 1); /* the lock kept its own copy */
+	return rc;
+}
+
+static void
+teardown_lock(struct ctx *x)
+{
+	kl_lock_free(x->lock);
+	kl_provider_free(x->provider);
+}
+
+static void
+teardown_lock_new(struct ctx *x)
+{
+	kl_lease *lease;
+
+	if (x->lock != NULL) {
+		/* It locks its own copy of the key. */
+		ck_assert_int_eq(kl_lock_acquire(x->lock, NULL, &lease, NULL),
+				 KL_OK);
+		ck_assert_str_eq(kl_lease_key(lease), "a key that is copied");
+		kl_lease_release(lease);
+	}
+	kl_lock_free(x->lock);
+}
+
+static void
+setup_lock_new(struct ctx *x)
+{
+	/* The shared provider exists before arming. */
+	ck_assert_ptr_nonnull(kl_memory_provider());
+	(void)x;
+}
+
+START_TEST(test_oom_lock_new)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_new",
+		.setup = setup_lock_new,
+		.run = run_lock_new,
+		.teardown = teardown_lock_new,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+/* A private provider and a lock without a key, made before arming. */
+static void
+setup_provider_lock(struct ctx *x)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+
+	ck_assert_int_eq(kl_memory_provider_new(&x->provider), KL_OK);
+	o.provider = x->provider;
+	ck_assert_int_eq(kl_lock_new(&x->lock, &o), KL_OK);
+}
+
+static int
+run_lock_acquire(struct ctx *x)
+{
+	kl_call call = { .key = "gamma", .cancel = NULL };
+	int rc;
+
+	x->lease = SENTINEL;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_acquire(x->lock, &call, &x->lease, &x->err);
+	if (rc != KL_OK) {
+		ck_assert_ptr_null(x->lease);
+		ck_assert_int_eq(x->err.status, rc);
+		return rc;
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 1);
+	ck_assert_str_eq(kl_lease_key(x->lease), "gamma");
+	ck_assert(kl_lease_valid(x->lease));
+	kl_lease_release(x->lease);
+	x->lease = NULL;
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return KL_OK;
+}
+
+static void
+check_provider_empty(struct ctx *x)
+{
+	/* No entry was left behind for the key. */
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+}
+
+START_TEST(test_oom_lock_acquire)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_acquire + kl_lease_release",
+		.setup = setup_provider_lock,
+		.run = run_lock_acquire,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+run_lock_run(struct ctx *x)
+{
+	kl_call call = { .key = "delta", .cancel = NULL };
+	int rc;
+
+	x->fn_result = -1;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_run(x->lock, &call, count_fn, x, &x->fn_result, &x->err);
+	if (rc == KL_OK) {
+		ck_assert_int_eq(x->fn_calls, 1);
+		ck_assert_int_eq(x->fn_result, 42);
+	} else {
+		ck_assert_int_eq(x->fn_calls, 0);
+		ck_assert_int_eq(x->err.status, rc);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return rc;
+}
+
+START_TEST(test_oom_lock_run)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_run",
+		.setup = setup_provider_lock,
+		.run = run_lock_run,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+START_TEST(test_hook_counts_allocations)
+{
+	kl_mutex *m;
+	long n;
+
+	/* The hook itself: it counts, and disarmed it fails nothing. */
+	kl__test_fail_alloc_at(0);
+	ck_assert_int_eq(kl_mutex_new(&m, NULL), KL_OK);
+	n = kl__test_fail_alloc_at(0);
+	ck_assert_int_ge(n, 1);
+	kl_mutex_free(m);
+
+	kl__test_fail_alloc_at(1);
+	m = SENTINEL;
+	ck_assert_int_eq(kl_mutex_new(&m, NULL), KL_ENOMEM);
+	ck_assert_ptr_null(m);
+	ck_assert_int_ge(kl__test_fail_alloc_at(0), 1);
+	ck_assert_int_eq(kl_mutex_new(&m, NULL), KL_OK);
+	kl_mutex_free(m);
+}
+END_TEST
+
+static Suite *
+oom_suite(void)
+{
+	Suite *s = suite_create("oom");
+	TCase *tc;
+
+	tc = tcase_create("objects");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_hook_counts_allocations);
+	tcase_add_test(tc, test_oom_mutex_new);
+	tcase_add_test(tc, test_oom_reset_event_new);
+	tcase_add_test(tc, test_oom_cancel_new);
+	tcase_add_test(tc, test_oom_cancel_new_timeout);
+	tcase_add_test(tc, test_oom_cancel_new_timeout_zero);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("registry");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_oom_registry_set_opts);
+	tcase_add_test(tc, test_oom_named_run);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("lock");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_oom_memory_provider_new);
+	tcase_add_test(tc, test_oom_lock_new);
+	tcase_add_test(tc, test_oom_lock_acquire);
+	tcase_add_test(tc, test_oom_lock_run);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr = srunner_create(oom_suite());
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
