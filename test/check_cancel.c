@@ -12,6 +12,7 @@
 
 #include <check.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -258,7 +259,7 @@ START_TEST(test_one_token_many_waits)
 
 	/* Only the bystander is left, and it gets m[0] on release. */
 	ck_assert_uint_eq(kl_mutex_queue_size(m[0]), 1);
-	ck_assert(!atomic_load(&bystander->w[0].finished));
+	ck_assert(!tw_finished(bystander, 0));
 	for (int i = 1; i < NMUTEX; i++) {
 		ck_assert_uint_eq(kl_mutex_queue_size(m[i]), 0);
 		ck_assert(kl_mutex_is_locked(m[i]));
@@ -448,6 +449,69 @@ START_TEST(test_token_reused_after_wait)
 }
 END_TEST
 
+struct settle {
+	struct tw_group *g;
+	size_t queued;
+};
+
+static bool
+queued_or_first_finished(void *arg)
+{
+	struct settle *s = arg;
+	size_t q = kl_mutex_queue_size(s->g->m);
+
+	return q == s->queued ||
+	       (tw_finished(s->g, 0) && q == s->queued - 1);
+}
+
+/*
+ * A token that fired by itself is fired for everyone from its deadline on:
+ * a leave made after kl_cancel_fired() showed true must not grant a waiter
+ * using it, even when that waiter has not yet woken to notice; the lock
+ * goes to the next waiter instead.
+ */
+START_TEST(test_self_fired_token_never_granted)
+{
+	long rounds = kl_test_scaled(500, 10);
+	kl_mutex *m;
+	long woke_first = 0;
+
+	ck_assert_int_eq(kl_mutex_new(&m, NULL), KL_OK);
+	for (long r = 0; r < rounds; r++) {
+		struct tw_group *g = tw_mutex(m, true);
+		struct settle s1 = { .g = g, .queued = 1 };
+		struct settle s2 = { .g = g, .queued = 2 };
+		kl_token held;
+		kl_cancel *c;
+
+		ck_assert_int_eq(kl_mutex_try_enter(m, &held), KL_OK);
+		ck_assert_int_eq(kl_cancel_new_timeout(&c, 1 + r % 3), KL_OK);
+		tw_start(g, KL_FOREVER, c); /* W1, with the token */
+		test_poll(queued_or_first_finished, &s1, "W1 to queue");
+		tw_start(g, KL_FOREVER, NULL); /* W2 */
+		test_poll(queued_or_first_finished, &s2, "W2 to queue");
+		while (!kl_cancel_fired(c))
+			;
+		if (tw_finished(g, 0))
+			woke_first++;
+		ck_assert_int_eq(kl_mutex_leave(m, held, false), KL_OK);
+		tw_join_all(g);
+		ck_assert_msg(g->w[0].status == KL_ECANCELED,
+			      "round %ld: W1 got %s after its token fired", r,
+			      kl_strerror(g->w[0].status));
+		ck_assert_int_eq(g->w[1].status, KL_OK);
+		ck_assert_int_eq(g->w[1].seq, 0);
+		ck_assert_int_eq(g->w[1].leave_status, KL_OK);
+		ck_assert(!kl_mutex_is_locked(m));
+		tw_free(g);
+		kl_cancel_free(c);
+	}
+	fprintf(stderr, "self-fired token: W1 had woken first in %ld of %ld\n",
+		woke_first, rounds);
+	kl_mutex_free(m);
+}
+END_TEST
+
 static Suite *
 cancel_suite(void)
 {
@@ -474,6 +538,11 @@ cancel_suite(void)
 	tcase_add_test(tc, test_fire_after_grant);
 	tcase_add_test(tc, test_fire_only_affects_its_waits);
 	tcase_add_test(tc, test_token_reused_after_wait);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("races");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_self_fired_token_never_granted);
 	suite_add_tcase(s, tc);
 	return s;
 }

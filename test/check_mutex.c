@@ -332,7 +332,7 @@ queued_or_finished(void *arg)
 {
 	struct settle *s = arg;
 
-	return atomic_load(&s->g->w[s->i].finished) ||
+	return tw_finished(s->g, s->i) ||
 	       kl_mutex_queue_size(s->g->m) == s->queued;
 }
 
@@ -357,7 +357,7 @@ START_TEST(test_huge_timeouts_wait_forever)
 
 		s.i = tw_start(g, huge[i], NULL);
 		test_poll(queued_or_finished, &s, "a waiter to queue");
-		ck_assert_msg(!atomic_load(&g->w[i].finished),
+		ck_assert_msg(!tw_finished(g, i),
 			      "timeout %lld returned %s at once",
 			      (long long)huge[i],
 			      kl_strerror(g->w[i].status));
@@ -520,8 +520,8 @@ START_TEST(test_leave_rejects_bad_tokens)
 	/* Nothing changed: still held, both still waiting. */
 	ck_assert(kl_mutex_is_locked(m));
 	ck_assert_uint_eq(kl_mutex_queue_size(m), 2);
-	ck_assert(!atomic_load(&g->w[0].finished));
-	ck_assert(!atomic_load(&g->w[1].finished));
+	ck_assert(!tw_finished(g, 0));
+	ck_assert(!tw_finished(g, 1));
 	ck_assert(kl_mutex_is_locked(other));
 
 	ck_assert_int_eq(kl_mutex_leave(m, t, false), KL_OK);
@@ -1251,7 +1251,7 @@ static bool
 both_queued_or_w1_done(void *arg)
 {
 	struct tw_group *g = arg;
-	bool w1_done = atomic_load(&g->w[0].finished);
+	bool w1_done = tw_finished(g, 0);
 	size_t q = kl_mutex_queue_size(g->m);
 
 	return q == 2 || (w1_done && q == 1);
@@ -1326,6 +1326,7 @@ START_TEST(test_race_eviction_and_grant)
 		struct tw_group *g = tw_mutex(m, true);
 		struct racer er = { .m = m };
 		kl_token held;
+		bool evicted_first;
 		pthread_t t;
 		int ok;
 
@@ -1336,6 +1337,7 @@ START_TEST(test_race_eviction_and_grant)
 		er.opts.flags = 0;
 		er.delay = race_delay(r, 0);
 		race_start(&er, &t, evict_racer_main, race_delay(r, 1));
+		evicted_first = atomic_load(&er.done);
 		ck_assert_int_eq(kl_mutex_leave(m, held, false), KL_OK);
 		test_thread_join(t);
 		tw_join_all(g);
@@ -1356,6 +1358,11 @@ START_TEST(test_race_eviction_and_grant)
 			ck_assert_int_eq(g->w[0].seq, 0);
 			ck_assert_int_eq(g->w[1].seq, 1);
 		}
+		/* set_opts returned before the leave: nobody was left. */
+		if (evicted_first)
+			ck_assert_msg(g->w[0].status == KL_EOVERFLOW &&
+					      g->w[1].status == KL_EOVERFLOW,
+				      "round %ld: granted after eviction", r);
 		ok = (g->w[0].status == KL_OK) + (g->w[1].status == KL_OK);
 		outcome[ok]++;
 

@@ -57,7 +57,7 @@ static void
 assert_waiting(struct tw_group *g, int i, size_t n)
 {
 	ck_assert_uint_eq(kl_reset_event_queue_size(g->e), n);
-	ck_assert_msg(!atomic_load(&g->w[i].finished),
+	ck_assert_msg(!tw_finished(g, i),
 		      "waiter %d returned %s", i, kl_strerror(g->w[i].status));
 }
 
@@ -678,7 +678,7 @@ static bool
 queued_or_w1_finished(void *arg)
 {
 	struct settle *s = arg;
-	bool w1_done = atomic_load(&s->g->w[0].finished);
+	bool w1_done = tw_finished(s->g, 0);
 	size_t q = kl_reset_event_queue_size(s->g->e);
 
 	return q == s->queued || (w1_done && q == s->queued - 1);

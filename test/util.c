@@ -1,9 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Helpers shared by the Check suites (see util.h).  The waiter threads never
- * call ck_assert*: they only store results and publish them through atomics
- * (seq_cst throughout, nothing here is hot), which the test's thread reads
- * before asserting.
+ * call ck_assert*: they only store their results under the group's mutex,
+ * which the test's thread takes to read them before asserting.  Lock order:
+ * the group's mutex is never held while calling into the library, except
+ * for the non-blocking kl_mutex_queue_size and friends.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -165,10 +166,9 @@ tw_new(enum tw_kind kind)
 	ck_assert_ptr_nonnull(g);
 	g->kind = kind;
 	atomic_init(&g->next_seq, 0);
-	atomic_init(&g->granted, 0);
-	atomic_init(&g->finished, 0);
+	ck_assert_int_eq(pthread_mutex_init(&g->mu, NULL), 0);
 	for (int i = 0; i < TW_MAX; i++)
-		atomic_init(&g->order[i], -1);
+		g->order[i] = -1;
 	return g;
 }
 
@@ -197,21 +197,33 @@ tw_free(struct tw_group *g)
 	if (g == NULL)
 		return;
 	tw_join_all(g);
+	pthread_mutex_destroy(&g->mu);
 	free(g);
 }
 
-/* Records a grant: the sequence number is taken inside the critical section
- * (mutex), so it is the true grant order there. */
+/*
+ * Records the outcome of the call.  On a grant the sequence number is taken
+ * here, inside the critical section for a mutex, so it is the true grant
+ * order there (for an event it only counts).
+ */
 static void
-record_grant(struct tw_waiter *w)
+record(struct tw_waiter *w, int rc, kl_token tok, int64_t end_ns)
 {
 	struct tw_group *g = w->g;
-	long seq = atomic_fetch_add(&g->next_seq, 1);
 
-	w->seq = seq;
-	if (seq >= 0 && seq < TW_MAX)
-		atomic_store(&g->order[seq], w->index);
-	atomic_fetch_add(&g->granted, 1);
+	pthread_mutex_lock(&g->mu);
+	w->end_ns = end_ns;
+	w->status = rc;
+	w->token = tok;
+	if (rc == KL_OK) {
+		long seq = atomic_fetch_add(&g->next_seq, 1);
+
+		w->seq = seq;
+		if (seq >= 0 && seq < TW_MAX)
+			g->order[seq] = w->index;
+		g->granted++;
+	}
+	pthread_mutex_unlock(&g->mu);
 }
 
 static void *
@@ -219,6 +231,7 @@ tw_main(void *arg)
 {
 	struct tw_waiter *w = arg;
 	struct tw_group *g = w->g;
+	int leave_status = 1;
 	kl_token tok;
 	int rc;
 
@@ -228,16 +241,15 @@ tw_main(void *arg)
 		rc = kl_mutex_enter(g->m, w->timeout_ms, w->cancel, &tok);
 	else
 		rc = kl_reset_event_wait(g->e, w->timeout_ms, w->cancel);
-	w->end_ns = now_ns();
-	w->status = rc;
-	w->token = tok;
-	if (rc == KL_OK) {
-		record_grant(w);
-		if (g->kind == TW_MUTEX && g->leave)
-			w->leave_status = kl_mutex_leave(g->m, tok, false);
-	}
-	atomic_fetch_add(&g->finished, 1);
-	atomic_store(&w->finished, true);
+	record(w, rc, tok, now_ns());
+	if (rc == KL_OK && g->kind == TW_MUTEX && g->leave)
+		leave_status = kl_mutex_leave(g->m, tok, false);
+
+	pthread_mutex_lock(&g->mu);
+	w->leave_status = leave_status;
+	w->finished = true;
+	g->finished++;
+	pthread_mutex_unlock(&g->mu);
 	return NULL;
 }
 
@@ -256,7 +268,7 @@ tw_start(struct tw_group *g, int64_t timeout_ms, kl_cancel *c)
 	w->status = 1; /* no KL_* value: "never returned" */
 	w->seq = -1;
 	w->leave_status = 1;
-	atomic_init(&w->finished, false);
+	w->finished = false;
 	test_thread_start(&w->thread, tw_main, w);
 	return g->n++;
 }
@@ -295,8 +307,30 @@ tw_wait_queue(struct tw_group *g, size_t n)
 		test_wait_event_queue(g->e, n);
 }
 
+bool
+tw_finished(struct tw_group *g, int i)
+{
+	bool done;
+
+	pthread_mutex_lock(&g->mu);
+	done = g->w[i].finished;
+	pthread_mutex_unlock(&g->mu);
+	return done;
+}
+
+int
+tw_granted(struct tw_group *g)
+{
+	int n;
+
+	pthread_mutex_lock(&g->mu);
+	n = g->granted;
+	pthread_mutex_unlock(&g->mu);
+	return n;
+}
+
 struct count_cond {
-	atomic_int *counter;
+	struct tw_group *g;
 	int n;
 };
 
@@ -305,13 +339,13 @@ count_reached(void *arg)
 {
 	struct count_cond *c = arg;
 
-	return atomic_load(c->counter) >= c->n;
+	return tw_granted(c->g) >= c->n;
 }
 
 void
 tw_wait_granted(struct tw_group *g, int n)
 {
-	struct count_cond c = { .counter = &g->granted, .n = n };
+	struct count_cond c = { .g = g, .n = n };
 
 	test_poll(count_reached, &c, "waiters to be granted");
 }
@@ -321,7 +355,7 @@ waiter_finished(void *arg)
 {
 	struct tw_waiter *w = arg;
 
-	return atomic_load(&w->finished);
+	return tw_finished(w->g, w->index);
 }
 
 void
@@ -359,22 +393,31 @@ static bool
 order_known(void *arg)
 {
 	struct order_cond *c = arg;
+	bool known;
 
-	return atomic_load(&c->g->order[c->seq]) >= 0;
+	pthread_mutex_lock(&c->g->mu);
+	known = c->g->order[c->seq] >= 0;
+	pthread_mutex_unlock(&c->g->mu);
+	return known;
 }
 
 int
 tw_pass(struct tw_group *g)
 {
 	struct order_cond c = { .g = g, .seq = g->passed };
-	int i;
+	kl_token tok;
+	int i, st;
 
 	ck_assert(g->kind == TW_MUTEX && !g->leave);
 	ck_assert_int_lt(g->passed, TW_MAX);
 	test_poll(order_known, &c, "the next grant");
-	i = atomic_load(&g->order[g->passed]);
-	ck_assert_int_eq(g->w[i].status, KL_OK);
-	ck_assert_int_eq(kl_mutex_leave(g->m, g->w[i].token, false), KL_OK);
+	pthread_mutex_lock(&g->mu);
+	i = g->order[g->passed];
+	st = g->w[i].status;
+	tok = g->w[i].token;
+	pthread_mutex_unlock(&g->mu);
+	ck_assert_int_eq(st, KL_OK);
+	ck_assert_int_eq(kl_mutex_leave(g->m, tok, false), KL_OK);
 	g->passed++;
 	return i;
 }

@@ -68,27 +68,36 @@ struct tw_waiter {
 	kl_cancel *cancel;
 	pthread_t thread;
 	bool joined;
-	/* Outputs, valid once finished is true (or after tw_join). */
-	int status;        /* what enter or wait returned */
-	long seq;          /* grant sequence (-1: not granted) */
-	kl_token token;    /* the owner token on KL_OK (mutex) */
-	int leave_status;  /* with leave mode, what leave returned */
-	int64_t start_ns;  /* just before the call */
-	int64_t end_ns;    /* just after it returned */
-	atomic_bool finished;
+	int64_t start_ns; /* just before the call */
+	/* Outputs, written under g->mu: read them after tw_join,
+	 * tw_wait_finished or tw_finished returned true. */
+	int status;       /* what enter or wait returned */
+	long seq;         /* grant sequence (-1: not granted) */
+	kl_token token;   /* the owner token on KL_OK (mutex) */
+	int leave_status; /* with leave mode, what leave returned */
+	int64_t end_ns;   /* just after the call returned */
+	bool finished;
 };
 
+/*
+ * The results travel from waiter to test under a pthread mutex rather than
+ * through atomics alone, so that helgrind, which does not model C11
+ * atomics, sees the hand-over as well as TSan does.
+ */
 struct tw_group {
 	enum tw_kind kind;
 	kl_mutex *m;
 	kl_reset_event *e;
 	bool leave; /* mutex: leave right after recording the grant */
-	int n;      /* waiters started */
-	int passed; /* grants handed on by tw_pass */
+	int n;      /* waiters started (test's thread only) */
+	int passed; /* grants handed on by tw_pass (test's thread only) */
+	/* Grant numbers; atomic so that other threads of a test may take
+	 * numbers from the same sequence inside the critical section. */
 	atomic_long next_seq;
-	atomic_int granted;  /* waiters that recorded a grant */
-	atomic_int finished; /* waiters whose thread is done */
-	atomic_int order[TW_MAX]; /* order[seq] = index, -1 until known */
+	pthread_mutex_t mu;  /* guards what follows and the outputs */
+	int granted;         /* waiters that recorded a grant */
+	int finished;        /* waiters whose call returned and are done */
+	int order[TW_MAX];   /* order[seq] = index, -1 until known */
 	struct tw_waiter w[TW_MAX];
 };
 
@@ -110,6 +119,10 @@ int tw_start_queued(struct tw_group *g, int64_t timeout_ms, kl_cancel *c);
 void tw_start_n_queued(struct tw_group *g, int n, int64_t timeout_ms,
 		       kl_cancel *c);
 
+/* Whether waiter i is done (its outputs are then readable). */
+bool tw_finished(struct tw_group *g, int i);
+/* How many waiters recorded a grant so far. */
+int tw_granted(struct tw_group *g);
 /* Polls until the group's queue size is n. */
 void tw_wait_queue(struct tw_group *g, size_t n);
 /* Polls until at least n waiters recorded a grant. */
