@@ -183,7 +183,7 @@ KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
 				 size_t len);
 
 /* ------------------------------------------------------------------ */
-/* Test hooks (only with --enable-test-hooks; see test/util.h). */
+/* Test hooks: only in test/libkeylock-test.la, built with -DKL_TEST_HOOKS. */
 
 #ifdef KL_TEST_HOOKS
 /* Fail the k-th allocation from now (1 = the next); 0 disables.  Returns

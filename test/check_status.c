@@ -248,6 +248,7 @@ status_suite(void)
 	TCase *tc;
 
 	tc = tcase_create("strerror");
+	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_status_values);
 	tcase_add_test(tc, test_strerror_names_each_code);
 	tcase_add_test(tc, test_strerror_is_total);
@@ -255,6 +256,7 @@ status_suite(void)
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("duration");
+	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_duration_parse_valid);
 	tcase_add_test(tc, test_duration_parse_invalid);
 	tcase_add_test(tc, test_duration_parse_null);
