@@ -282,6 +282,9 @@ typedef struct {
  *   handle is invalid afterwards whatever the status.
  * valid: false once a lease was lost (NULL member: always true).
  * destroy: free impl when the provider is freed (NULL member: nothing).
+ * status: how many hold key (0 or 1) and how many wait for it, as far as
+ *   the provider can tell; KL_OK, or KL_EPROVIDER with err filled (NULL
+ *   member: the provider cannot tell).
  */
 typedef struct {
 	size_t struct_size; /* sizeof(kl_provider_ops): lets it grow */
@@ -293,6 +296,8 @@ typedef struct {
 	int (*release)(void *impl, void *lease, kl_error *err);
 	bool (*valid)(void *impl, void *lease);
 	void (*destroy)(void *impl);
+	int (*status)(void *impl, const char *key, size_t key_len,
+		      size_t *holders, size_t *waiters, kl_error *err);
 } kl_provider_ops;
 
 /* Wraps a user provider.  ops is copied (name must stay valid).  KL_EINVAL
@@ -319,6 +324,11 @@ KL_API size_t kl_memory_provider_queue_size(kl_provider *p, const char *key);
  * says why.  Since 0.1. */
 KL_API int kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	KL_ATTR(warn_unused_result);
+/* Holders (0 or 1) and waiters of key as the provider sees them.  KL_OK;
+ * KL_EINVAL for NULL arguments; KL_EPROVIDER when the provider cannot tell
+ * or could not be asked (err says which).  Since 0.1. */
+KL_API int kl_provider_status(kl_provider *p, const char *key,
+			      size_t *holders, size_t *waiters, kl_error *err);
 /* Frees a provider; no lease may be outstanding.  NULL is ignored. */
 KL_API void kl_provider_free(kl_provider *p);
 

@@ -102,15 +102,12 @@ load64(const unsigned char *p)
 }
 
 uint64_t
-kl__hash(const void *data, size_t len)
+kl__siphash(uint64_t k0, uint64_t k1, const void *data, size_t len)
 {
 	const unsigned char *p = data;
 	const unsigned char *end = p + (len & ~(size_t)7);
-	uint64_t k0, k1, v0, v1, v2, v3, m, b;
+	uint64_t v0, v1, v2, v3, m, b;
 
-	pthread_once(&seed_once, seed_init);
-	k0 = seed[0];
-	k1 = seed[1];
 	v0 = k0 ^ 0x736f6d6570736575ULL;
 	v1 = k1 ^ 0x646f72616e646f6dULL;
 	v2 = k0 ^ 0x6c7967656e657261ULL;
@@ -149,4 +146,11 @@ kl__hash(const void *data, size_t len)
 	SIPROUND;
 	SIPROUND;
 	return v0 ^ v1 ^ v2 ^ v3;
+}
+
+uint64_t
+kl__hash(const void *data, size_t len)
+{
+	pthread_once(&seed_once, seed_init);
+	return kl__siphash(seed[0], seed[1], data, len);
 }

@@ -164,6 +164,10 @@ KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
 /* hash.c: SipHash-1-3 keyed with a per-process random seed. */
 
 KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
+/* SipHash-1-3 with an explicit key, for names that other processes must
+ * compute alike (the local provider's file names). */
+KL_HIDDEN uint64_t kl__siphash(uint64_t k0, uint64_t k1, const void *data,
+			       size_t len);
 
 /* ------------------------------------------------------------------ */
 /* provider.c: a provider is an ops table over an implementation. */
@@ -174,6 +178,10 @@ struct kl_provider {
 	bool shared;         /* the process-wide memory provider: never freed */
 	struct kl__table *table; /* set for memory providers */
 };
+
+/* provider_local.c: opens the local provider on dir ("" = the default). */
+KL_HIDDEN int kl__local_provider_open(kl_provider **out, const char *dir,
+				      kl_error *err);
 
 /* Fills err (may be NULL) with status and a printf-style message. */
 KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)

@@ -45,7 +45,8 @@ kl__key_printable(char *buf, size_t size, const char *key, size_t len)
 	buf[n] = '\0';
 }
 
-#define MIN_OPS_SIZE (offsetof(kl_provider_ops, destroy) + sizeof(void (*)(void)))
+#define MIN_OPS_SIZE                                                       \
+	(offsetof(kl_provider_ops, destroy) + sizeof(void (*)(void)))
 
 int
 kl_provider_new(kl_provider **out, const kl_provider_ops *ops, void *impl)
@@ -67,6 +68,27 @@ kl_provider_new(kl_provider **out, const kl_provider_ops *ops, void *impl)
 	p->impl = impl;
 	*out = p;
 	return KL_OK;
+}
+
+int
+kl_provider_status(kl_provider *p, const char *key, size_t *holders,
+		   size_t *waiters, kl_error *err)
+{
+	if (holders != NULL)
+		*holders = 0;
+	if (waiters != NULL)
+		*waiters = 0;
+	if (p == NULL || key == NULL || holders == NULL || waiters == NULL) {
+		kl__error_set(err, KL_EINVAL, "no provider, key or output");
+		return KL_EINVAL;
+	}
+	if (p->ops.status == NULL) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "the %s provider cannot tell a key's status",
+			      p->ops.name != NULL ? p->ops.name : "user");
+		return KL_EPROVIDER;
+	}
+	return p->ops.status(p->impl, key, strlen(key), holders, waiters, err);
 }
 
 void
@@ -110,12 +132,8 @@ kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 			      "this build does not provide yet");
 		return KL_EPROVIDER;
 	}
-	if (strcmp(uri, "local:") == 0 || has_prefix(uri, "local:")) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "the local: (cross-process) provider is not "
-			      "built yet");
-		return KL_EPROVIDER;
-	}
+	if (has_prefix(uri, "local:"))
+		return kl__local_provider_open(out, uri + strlen("local:"), err);
 	kl__error_set(err, KL_EINVAL,
 		      "unknown provider URI scheme (expected memory:, local:, "
 		      "redis:// or postgresql://)");

@@ -34,6 +34,14 @@ mem_release(void *impl, void *lease, kl_error *err)
 	return KL_OK;
 }
 
+static int
+mem_status(void *impl, const char *key, size_t key_len, size_t *holders,
+	   size_t *waiters, kl_error *err)
+{
+	(void)err;
+	return kl__table_status(impl, key, key_len, holders, waiters);
+}
+
 static void
 mem_destroy(void *impl)
 {
@@ -47,6 +55,7 @@ static const kl_provider_ops memory_ops = {
 	.release = mem_release,
 	.valid = NULL,
 	.destroy = mem_destroy,
+	.status = mem_status,
 };
 
 static kl_provider shared_provider;

@@ -277,19 +277,29 @@ kl__table_size(struct kl__table *t)
 	return atomic_load_explicit(&t->size, memory_order_relaxed);
 }
 
-size_t
-kl__table_queue_size(struct kl__table *t, const char *key, size_t len)
+int
+kl__table_status(struct kl__table *t, const char *key, size_t len,
+		 size_t *holders, size_t *waiters)
 {
 	uint64_t h = kl__hash(key, len);
 	struct shard *s = shard_of(t, h);
 	struct kl__entry *e;
-	size_t n;
 
 	pthread_mutex_lock(&s->lock);
 	e = find(s, h, key, len);
-	n = e != NULL ? e->q.len : 0;
+	*holders = e != NULL;
+	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
-	return n;
+	return KL_OK;
+}
+
+size_t
+kl__table_queue_size(struct kl__table *t, const char *key, size_t len)
+{
+	size_t holders, waiters;
+
+	kl__table_status(t, key, len, &holders, &waiters);
+	return waiters;
 }
 
 void

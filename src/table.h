@@ -40,6 +40,9 @@ KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
 KL_HIDDEN size_t kl__table_size(struct kl__table *t);
 KL_HIDDEN void kl__table_stats(struct kl__table *t,
 			       struct kl__table_stats *out);
+/* Holders (0 or 1) and waiters of key. */
+KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
+			       size_t len, size_t *holders, size_t *waiters);
 /* Waiters queued on key (0 when the key has no entry). */
 KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
 				      size_t len);

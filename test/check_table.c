@@ -693,6 +693,48 @@ START_TEST(test_key_embedded_nul)
 }
 END_TEST
 
+/* Many live keys that a C-string comparison, or one that ignores the
+ * length, would confuse: they differ only after a NUL, or are prefixes of
+ * one another.  Enough of them share buckets for such a comparison to be
+ * hit. */
+#define MANY_KEYS 2048
+
+START_TEST(test_key_many_confusable)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry **e = malloc(2 * MANY_KEYS * sizeof *e);
+	char *nul = malloc(MANY_KEYS * 8);
+	char *prefix = malloc(MANY_KEYS);
+
+	ck_assert_ptr_nonnull(e);
+	ck_assert_ptr_nonnull(nul);
+	ck_assert_ptr_nonnull(prefix);
+	memset(prefix, 'p', MANY_KEYS);
+	for (int i = 0; i < MANY_KEYS; i++) {
+		char *k = nul + i * 8;
+
+		k[0] = 'n';
+		k[1] = '\0';
+		memcpy(k + 2, &i, sizeof i);
+		ck_assert_int_eq(acquire(t, k, 2 + sizeof i, past(), &e[i],
+					 NULL),
+				 KL_OK);
+		/* Lengths 1 .. MANY_KEYS of the same bytes. */
+		ck_assert_int_eq(acquire(t, prefix, (size_t)i + 1, past(),
+					 &e[MANY_KEYS + i], NULL),
+				 KL_OK);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 2 * MANY_KEYS);
+	for (int i = 0; i < 2 * MANY_KEYS; i++)
+		kl__table_release(t, e[i]);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+	free(prefix);
+	free(nul);
+	free(e);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* Scale: a million distinct keys leave nothing behind                 */
 
@@ -962,6 +1004,7 @@ table_suite(void)
 	tcase_add_test(tc, test_key_long);
 	tcase_add_test(tc, test_key_binary_bytes);
 	tcase_add_test(tc, test_key_embedded_nul);
+	tcase_add_test(tc, test_key_many_confusable);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("scale");

@@ -211,28 +211,102 @@ spin_work(long n)
 
 static double work_ns_per_iter;
 
+/* This thread's CPU time: unlike the wall clock it stops while another
+ * process has the core, which would otherwise shorten every work loop. */
+static int64_t
+cpu_ns(void)
+{
+	struct timespec ts;
+
+	if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0)
+		return now_ns();
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 static void
 calibrate_work(void)
 {
-	const long n = 2000000;
+	const long n = 500000;
 	double best = INFINITY;
 
-	for (int i = 0; i < 5; i++) {
-		int64_t t0 = now_ns();
+	/* The fastest of tries spread over some 30 ms: a core shared with
+	 * a busy hyperthread or a stolen vCPU is slow for a while, and one
+	 * burst of tries could land in such a while entirely. */
+	for (int i = 0; i < 20; i++) {
+		int64_t t0 = cpu_ns();
 		double ns;
 
 		spin_work(n);
-		ns = (double)(now_ns() - t0) / (double)n;
-		if (ns < best)
+		ns = (double)(cpu_ns() - t0) / (double)n;
+		if (ns > 0 && ns < best)
 			best = ns;
+		sleep_ns(1000000);
 	}
-	work_ns_per_iter = best > 0 ? best : 1.0;
+	work_ns_per_iter = isfinite(best) ? best : 1.0;
 }
 
 static long
 work_iters(double ns)
 {
 	return (long)(ns / work_ns_per_iter + 0.5);
+}
+
+/*
+ * Threads are pinned round-robin over the CPUs the process may use: left to
+ * itself the scheduler often wakes a granted waiter on its waker's CPU, and
+ * two threads sharing one core take turns without ever contending, so a run
+ * measured either a convoy or no contention at all, by chance.  The main
+ * thread takes the first CPU, worker i the (i mod n)th.
+ */
+static int cpu_list[1024];
+static int ncpus;
+
+static void
+cpus_init(void)
+{
+#ifdef __linux__
+	cpu_set_t set;
+
+	if (sched_getaffinity(0, sizeof set, &set) != 0)
+		return;
+	for (int i = 0; i < CPU_SETSIZE && ncpus < 1024; i++)
+		if (CPU_ISSET(i, &set))
+			cpu_list[ncpus++] = i;
+#endif
+}
+
+/* Thread attributes pinning a new thread to CPU slot (mod n). */
+static void
+pinned_attr(pthread_attr_t *a, int slot)
+{
+	pthread_attr_init(a);
+#ifdef __linux__
+	if (ncpus > 0) {
+		cpu_set_t set;
+
+		CPU_ZERO(&set);
+		CPU_SET(cpu_list[slot % ncpus], &set);
+		pthread_attr_setaffinity_np(a, sizeof set, &set);
+	}
+#else
+	(void)slot;
+#endif
+}
+
+static void
+pin_self(int slot)
+{
+#ifdef __linux__
+	if (ncpus > 0) {
+		cpu_set_t set;
+
+		CPU_ZERO(&set);
+		CPU_SET(cpu_list[slot % ncpus], &set);
+		pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+	}
+#else
+	(void)slot;
+#endif
 }
 
 /* ------------------------------------------------------------------ */
@@ -1128,10 +1202,14 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	atomic_init(&sh.violations, 0);
 	sh.last_owner = -1;
 	for (int i = 0; i < nthreads; i++) {
+		pthread_attr_t a;
+
 		w[i].sh = &sh;
 		w[i].id = i;
-		if ((rc = pthread_create(&w[i].tid, NULL, cworker_main,
-					 &w[i])) != 0)
+		pinned_attr(&a, i);
+		rc = pthread_create(&w[i].tid, &a, cworker_main, &w[i]);
+		pthread_attr_destroy(&a);
+		if (rc != 0)
 			die("pthread_create: %s", strerror(rc));
 	}
 	while (atomic_load(&sh.ready) < nthreads)
@@ -1255,6 +1333,7 @@ run_handoff(struct subject *s, bool spinning, int samples, double *p50,
 	    double *p99, double *max)
 {
 	struct hshared sh;
+	pthread_attr_t a;
 	pthread_t t;
 	union hold h;
 	int rc;
@@ -1267,7 +1346,10 @@ run_handoff(struct subject *s, bool spinning, int samples, double *p50,
 	atomic_init(&sh.done, 0);
 	atomic_init(&sh.arrive_ns, 0);
 	sh.lat = xcalloc((size_t)samples, sizeof *sh.lat);
-	if ((rc = pthread_create(&t, NULL, hwaiter_main, &sh)) != 0)
+	pinned_attr(&a, 1); /* the holder, this thread, has slot 0 */
+	rc = pthread_create(&t, &a, hwaiter_main, &sh);
+	pthread_attr_destroy(&a);
+	if (rc != 0)
 		die("pthread_create: %s", strerror(rc));
 	for (int i = 1; i <= samples; i++) {
 		subject_acquire(s, hot_key, &h);
@@ -1572,8 +1654,13 @@ print_table(void)
 	printf("Figures are median [min..max] over runs; ratios are medians "
 	       "of per-run ratios.\n");
 	printf("Load average before / after: %s / %s; real work: %.0f ns "
-	       "held, %.0f ns out.\n",
-	       load_before, load_after, WORK_IN_NS, WORK_OUT_NS);
+	       "held, %.0f ns out (%.3f ns per loop).\n",
+	       load_before, load_after, WORK_IN_NS, WORK_OUT_NS,
+	       work_ns_per_iter);
+	printf("Threads pinned round-robin to CPUs");
+	for (int i = 0; i < ncpus; i++)
+		printf("%s%d", i ? "," : " ", cpu_list[i]);
+	printf("%s; the main thread to the first.\n", ncpus ? "" : " (none)");
 
 	printf("\nUncontended, one thread (ns per pair)\n");
 	printf("  %-34s %9s %9s %9s %10s\n", "operation", "median", "min",
@@ -1769,6 +1856,10 @@ print_json(void)
 	       PROG, KL_VERSION_STRING, kl_version(),
 	       opt.quick ? "true" : "false", opt.runs, opt.duration_ms,
 	       sysconf(_SC_NPROCESSORS_ONLN), load_before, load_after);
+	fputs("  \"pinned_cpus\": [", stdout);
+	for (int i = 0; i < ncpus; i++)
+		printf("%s%d", i ? ", " : "", cpu_list[i]);
+	fputs("],\n", stdout);
 	printf("  \"work\": {\"inside_ns\": %.0f, \"outside_ns\": %.0f, "
 	       "\"ns_per_iteration\": ",
 	       WORK_IN_NS, WORK_OUT_NS);
@@ -2276,6 +2367,8 @@ main(int argc, char **argv)
 	read_load(load_before, sizeof load_before);
 	if ((rc = pthread_create(&idle, NULL, idle_main, NULL)) != 0)
 		die("pthread_create: %s", strerror(rc));
+	cpus_init();
+	pin_self(0);
 	alloc_results();
 	stripes_init();
 	subjects_init();
