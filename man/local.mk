@@ -3,6 +3,7 @@
 # per public function.  Included by the top Makefile.am.
 
 dist_man_MANS = \
+	man/keylock.1 \
 	man/keylock.3 \
 	man/kl_cancel.3 \
 	man/kl_mutex.3 \

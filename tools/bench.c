@@ -62,17 +62,17 @@
 
 #define PROG "keylock-bench"
 
-#define EXIT_MISS 1    /* --strict and a target was missed */
-#define EXIT_BROKEN 2  /* a lock invariant broke or a call failed */
+#define EXIT_MISS 1   /* --strict and a target was missed */
+#define EXIT_BROKEN 2 /* an invariant broke, a call or the plot failed */
 #define EXIT_USAGE 64
 
-#define KEY_STRIDE 16        /* bytes per generated key, NUL included */
-#define KEY_INLINE 16        /* key bytes a lock may keep inline for free */
-#define WORK_IN_NS 400.0     /* "real work": held */
-#define WORK_OUT_NS 4000.0   /* and outside the lock */
-#define HANDOFF_SLEEP_NS 100000 /* long enough for the waiter to park */
-#define HANDOFF_SPIN_NS 2000    /* shorter than a spin phase worth having */
-#define IDLE_SLACK_BYTES 65536  /* in-use bytes allowed after all keys go */
+#define KEY_STRIDE 16            /* bytes per generated key, NUL included */
+#define KEY_INLINE 16            /* key bytes a lock may keep inline */
+#define WORK_IN_NS 400           /* "real work": held */
+#define WORK_OUT_NS 4000         /* and outside the lock */
+#define HANDOFF_SLEEP_NS 100000  /* long enough for the waiter to park */
+#define HANDOFF_SPIN_NS 2000     /* shorter than a spin phase worth having */
+#define IDLE_SLACK_BYTES 65536   /* in-use bytes allowed after all keys go */
 #define NSTRIPES 256
 
 /* ------------------------------------------------------------------ */
@@ -200,55 +200,21 @@ wait_true(atomic_bool *v)
 	}
 }
 
-/* The "real work" of a critical section: a loop the compiler must keep,
- * calibrated once into iterations per nanosecond. */
+/* The "real work" of a critical section: a spin on the clock rather than
+ * a calibrated loop, because the loop's speed changes with what the other
+ * hyperthread or the host does, and a calibration taken in a slow moment
+ * would shorten every section of the pass.  The clock read is in the vDSO:
+ * no system call. */
 static void
-spin_work(long n)
+spin_for(int64_t ns)
 {
-	for (long i = 0; i < n; i++)
-		__asm__ __volatile__("" ::: "memory");
-}
+	int64_t end;
 
-static double work_ns_per_iter;
-
-/* This thread's CPU time: unlike the wall clock it stops while another
- * process has the core, which would otherwise shorten every work loop. */
-static int64_t
-cpu_ns(void)
-{
-	struct timespec ts;
-
-	if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0)
-		return now_ns();
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void
-calibrate_work(void)
-{
-	const long n = 500000;
-	double best = INFINITY;
-
-	/* The fastest of tries spread over some 30 ms: a core shared with
-	 * a busy hyperthread or a stolen vCPU is slow for a while, and one
-	 * burst of tries could land in such a while entirely. */
-	for (int i = 0; i < 20; i++) {
-		int64_t t0 = cpu_ns();
-		double ns;
-
-		spin_work(n);
-		ns = (double)(cpu_ns() - t0) / (double)n;
-		if (ns > 0 && ns < best)
-			best = ns;
-		sleep_ns(1000000);
-	}
-	work_ns_per_iter = isfinite(best) ? best : 1.0;
-}
-
-static long
-work_iters(double ns)
-{
-	return (long)(ns / work_ns_per_iter + 0.5);
+	if (ns <= 0)
+		return;
+	end = now_ns() + ns;
+	while (now_ns() < end)
+		;
 }
 
 /*
@@ -319,7 +285,7 @@ cmp_double(const void *a, const void *b)
 
 	/* NaN sorts last so that it never becomes a median by accident. */
 	if (isnan(x) || isnan(y))
-		return isnan(x) - isnan(y);
+		return (isnan(x) != 0) - (isnan(y) != 0);
 	return (x > y) - (x < y);
 }
 
@@ -718,26 +684,32 @@ struct csample {
 };
 
 #ifdef BENCH_PERF
+/* The id of a tracepoint, or -1 with errno telling why. */
 static int
 tracepoint_id(const char *event)
 {
 	static const char *const roots[] = { "/sys/kernel/tracing",
 					     "/sys/kernel/debug/tracing" };
 	char path[256];
+	int err = ENOENT;
 
 	for (size_t i = 0; i < sizeof roots / sizeof roots[0]; i++) {
 		FILE *f;
 		int id = -1;
 
 		snprintf(path, sizeof path, "%s/events/%s/id", roots[i], event);
-		if ((f = fopen(path, "r")) == NULL)
+		if ((f = fopen(path, "r")) == NULL) {
+			if (errno != ENOENT)
+				err = errno; /* EACCES says more */
 			continue;
+		}
 		if (fscanf(f, "%d", &id) != 1)
 			id = -1;
 		fclose(f);
 		if (id >= 0)
 			return id;
 	}
+	errno = err;
 	return -1;
 }
 
@@ -810,6 +782,15 @@ counters_sample(const struct counters *c, struct csample *s)
 	s->ivcsw = ru.ru_nivcsw;
 }
 
+/* System calls between two samples, less those the sampling made. */
+static uint64_t
+since(uint64_t before, uint64_t after)
+{
+	uint64_t d = after - before;
+
+	return d > sysm.all_overhead ? d - sysm.all_overhead : 0;
+}
+
 static void
 syscalls_detect(void)
 {
@@ -818,15 +799,18 @@ syscalls_detect(void)
 	int err = 0;
 
 	sysm.futex_id = sysm.all_id = -1;
+	err = ENOSYS;
 #ifdef BENCH_PERF
-	sysm.futex_id = tracepoint_id("syscalls/sys_enter_futex");
-	sysm.all_id = tracepoint_id("raw_syscalls/sys_enter");
+	if ((sysm.futex_id = tracepoint_id("syscalls/sys_enter_futex")) < 0 ||
+	    (sysm.all_id = tracepoint_id("raw_syscalls/sys_enter")) < 0)
+		err = errno;
 #endif
 	if (sysm.futex_id < 0 || sysm.all_id < 0) {
 		snprintf(sysm.method, sizeof sysm.method,
-			 "getrusage context switches; futex counts n/a "
-			 "(no tracefs syscall events: mount tracefs on "
-			 "/sys/kernel/tracing)");
+			 "getrusage context switches; futex counts n/a: "
+			 "syscall tracepoint ids: %s (needs root and tracefs "
+			 "on /sys/kernel/tracing)",
+			 strerror(err));
 		return;
 	}
 	c.futex_fd = counter_open(sysm.futex_id);
@@ -1103,7 +1087,7 @@ static const char *const sec_name[NSEC] = { "empty", "work" };
 
 struct cshared {
 	struct subject *s;
-	long work_in, work_out;
+	int64_t work_in, work_out; /* ns */
 	bool count;
 	atomic_int ready;
 	atomic_bool go, stop;
@@ -1159,11 +1143,11 @@ cworker_main(void *arg)
 			sh->last_owner = w->id;
 			sh->changes++;
 		}
-		spin_work(sh->work_in);
+		spin_for(sh->work_in);
 		if (--sh->inside != 0)
 			atomic_fetch_add(&sh->violations, 1);
 		subject_release(sh->s, &h);
-		spin_work(sh->work_out);
+		spin_for(sh->work_out);
 	}
 	w->ops = i;
 	w->end_ns = now_ns();
@@ -1193,8 +1177,8 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 
 	memset(&sh, 0, sizeof sh);
 	sh.s = s;
-	sh.work_in = sec ? work_iters(WORK_IN_NS) : 0;
-	sh.work_out = sec ? work_iters(WORK_OUT_NS) : 0;
+	sh.work_in = sec ? WORK_IN_NS : 0;
+	sh.work_out = sec ? WORK_OUT_NS : 0;
 	sh.count = count;
 	atomic_init(&sh.ready, 0);
 	atomic_init(&sh.go, false);
@@ -1233,8 +1217,7 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 			hist_merge(into, &w[i].h);
 		if (count) {
 			out->sys.futex += w[i].c1.futex - w[i].c0.futex;
-			out->sys.all += w[i].c1.all - w[i].c0.all -
-					sysm.all_overhead;
+			out->sys.all += since(w[i].c0.all, w[i].c1.all);
 			out->sys.vcsw += w[i].c1.vcsw - w[i].c0.vcsw;
 			out->sys.ivcsw += w[i].c1.ivcsw - w[i].c0.ivcsw;
 		}
@@ -1445,8 +1428,7 @@ run_syscalls(void)
 		s->done = true;
 		s->n = (uint64_t)opt.iters_sys;
 		s->futex = (double)(b.futex - a.futex) / (double)s->n;
-		s->all = (double)(b.all - a.all - sysm.all_overhead) /
-			 (double)s->n;
+		s->all = (double)since(a.all, b.all) / (double)s->n;
 		s->vcsw = (double)(b.vcsw - a.vcsw) / (double)s->n;
 		s->ivcsw = (double)(b.ivcsw - a.ivcsw) / (double)s->n;
 	}
@@ -1478,8 +1460,9 @@ run_syscalls(void)
 /* ------------------------------------------------------------------ */
 /* Targets                                                             */
 
-enum verdict { V_NA, V_PASS, V_MISS };
-static const char *const verdict_name[] = { "n/a", "PASS", "MISS" };
+/* V_INFO: a figure shown against a limit for reference, never judged. */
+enum verdict { V_NA, V_PASS, V_MISS, V_INFO };
+static const char *const verdict_name[] = { "n/a", "PASS", "MISS", "info" };
 
 struct target {
 	char name[64];
@@ -1553,6 +1536,16 @@ evaluate(void)
 	snprintf(name, sizeof name, "kl_lock %zu keys / 1 key", opt.nkeys);
 	target(name, paired_ratio(ures[U_KEYSN], ures[U_KEYS1], opt.runs),
 	       true, 1.5, 1.1, "x");
+	/* The cycling workload above finds an empty table each time; with
+	 * all keys held the lookup walks a large table, which is what the
+	 * 1.5x limit is about in practice, so it is shown beside it. */
+	snprintf(name, sizeof name, "kl_lock new key, %zu held / 1 key",
+		 opt.nkeys);
+	target(name, summarize(ures[U_HELD], opt.runs).med /
+			     summarize(ures[U_KEYS1], opt.runs).med,
+	       true, 1.5, NAN, "x");
+	targets[ntargets - 1].v = V_INFO;
+	targets[ntargets - 1].stretch_met = false;
 	target("syscalls, uncontended kl_mutex",
 	       sysm.ok ? sys_un[2].all : NAN, true, 0, NAN, "/op");
 	target("syscalls, uncontended kl_lock",
@@ -1653,10 +1646,9 @@ print_table(void)
 	       opt.quick ? ", quick pass (speed not judged)" : "");
 	printf("Figures are median [min..max] over runs; ratios are medians "
 	       "of per-run ratios.\n");
-	printf("Load average before / after: %s / %s; real work: %.0f ns "
-	       "held, %.0f ns out (%.3f ns per loop).\n",
-	       load_before, load_after, WORK_IN_NS, WORK_OUT_NS,
-	       work_ns_per_iter);
+	printf("Load average before / after: %s / %s; real work: %d ns "
+	       "held, %d ns out.\n",
+	       load_before, load_after, WORK_IN_NS, WORK_OUT_NS);
 	printf("Threads pinned round-robin to CPUs");
 	for (int i = 0; i < ncpus; i++)
 		printf("%s%d", i ? "," : " ", cpu_list[i]);
@@ -1860,11 +1852,9 @@ print_json(void)
 	for (int i = 0; i < ncpus; i++)
 		printf("%s%d", i ? ", " : "", cpu_list[i]);
 	fputs("],\n", stdout);
-	printf("  \"work\": {\"inside_ns\": %.0f, \"outside_ns\": %.0f, "
-	       "\"ns_per_iteration\": ",
+	printf("  \"work_ns\": {\"inside\": %d, \"outside\": %d},\n"
+	       "  \"uncontended_ns\": [\n",
 	       WORK_IN_NS, WORK_OUT_NS);
-	jnum(work_ns_per_iter);
-	fputs("},\n  \"uncontended_ns\": [\n", stdout);
 	for (int r = 0; r < NUROWS; r++) {
 		char label[64];
 
@@ -2051,21 +2041,37 @@ svg_panel(FILE *f, const struct panel *p, const char *title,
 	  double y[NKINDS][NTHR])
 {
 	char buf[32];
-	bool decades_only = p->hi - p->lo > 3;
+	/* Mantissas of the grid lines: denser as the range narrows, so a
+	 * fairness axis from 1 to 2 still shows 1.1. */
+	static const double fine[] = { 1, 1.1, 1.2, 1.5, 2, 3, 5 };
+	static const double mid[] = { 1, 2, 5 };
+	static const double coarse[] = { 1 };
+	const double *ms = coarse;
+	double last = INFINITY;
+	int nm = 1;
 
 	fprintf(f,
 		"<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" "
 		"fill=\"none\" stroke=\"#444\"/>\n",
 		p->x, p->y, p->w, p->h);
 	svg_text(f, p->x + p->w / 2, p->y - 10, "middle", 14, title);
+	if (p->hi - p->lo <= 1) {
+		ms = fine;
+		nm = 7;
+	} else if (p->hi - p->lo <= 3) {
+		ms = mid;
+		nm = 3;
+	}
 	for (int e = (int)floor(p->lo); e <= (int)ceil(p->hi); e++)
-		for (int m = 1; m <= 5; m += m == 1 ? 1 : 3) {
-			double v = m * pow(10, e), py;
+		for (int m = 0; m < nm; m++) {
+			double v = ms[m] * pow(10, e), py;
 
-			if ((decades_only && m != 1) ||
-			    log10(v) < p->lo - 1e-9 || log10(v) > p->hi + 1e-9)
+			if (log10(v) < p->lo - 1e-9 || log10(v) > p->hi + 1e-9)
 				continue;
 			py = panel_y(p, v);
+			if (fabs(py - last) < 14) /* labels would overlap */
+				continue;
+			last = py;
 			svg_line(f, p->x, py, p->x + p->w, py, "#ddd", 1);
 			tick_label(buf, sizeof buf, v);
 			svg_text(f, p->x - 6, py + 4, "end", 11, buf);
@@ -2229,17 +2235,21 @@ usage(void)
 	       PROG);
 }
 
-static void __attribute__((noreturn))
-usage_error(const char *fmt, const char *arg)
+static void __attribute__((noreturn, format(printf, 1, 2)))
+usage_error(const char *fmt, ...)
 {
+	va_list ap;
+
 	fputs(PROG ": ", stderr);
-	fprintf(stderr, fmt, arg);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
 	fprintf(stderr, "\nTry '%s --help' for more information.\n", PROG);
 	exit(EXIT_USAGE);
 }
 
 static int
-parse_int(const char *s, int lo, int hi, const char *what)
+parse_int(const char *s, int lo, int hi, const char *name)
 {
 	char *end;
 	long v;
@@ -2247,7 +2257,7 @@ parse_int(const char *s, int lo, int hi, const char *what)
 	errno = 0;
 	v = strtol(s, &end, 10);
 	if (errno != 0 || end == s || *end != '\0' || v < lo || v > hi)
-		usage_error(what, s);
+		usage_error("invalid %s '%s' (%d to %d)", name, s, lo, hi);
 	return (int)v;
 }
 
@@ -2267,7 +2277,8 @@ parse_options(int argc, char **argv)
 	};
 	int c, runs = 0, duration = 0;
 
-	while ((c = getopt_long(argc, argv, "+qjp:r:d:shV", longopts,
+	opterr = 0; /* our own messages, prefixed with PROG */
+	while ((c = getopt_long(argc, argv, "+:qjp:r:d:shV", longopts,
 				NULL)) != -1) {
 		switch (c) {
 		case 'q':
@@ -2280,13 +2291,10 @@ parse_options(int argc, char **argv)
 			opt.plot = optarg;
 			break;
 		case 'r':
-			runs = parse_int(optarg, 1, 1000,
-					 "invalid --runs '%s' (1 to 1000)");
+			runs = parse_int(optarg, 1, 1000, "--runs");
 			break;
 		case 'd':
-			duration = parse_int(
-				optarg, 1, 600000,
-				"invalid --duration '%s' (1 to 600000 ms)");
+			duration = parse_int(optarg, 1, 600000, "--duration");
 			break;
 		case 's':
 			opt.strict = true;
@@ -2297,11 +2305,16 @@ parse_options(int argc, char **argv)
 		case 'V':
 			printf("%s (keylock) %s\n", PROG, KL_VERSION_STRING);
 			exit(EXIT_SUCCESS);
+		case ':':
+			usage_error("option '%s' needs an argument",
+				    argv[optind - 1]);
 		default:
-			fprintf(stderr,
-				"Try '%s --help' for more information.\n",
-				PROG);
-			exit(EXIT_USAGE);
+			if (optopt != 0) {
+				char opt_text[3] = { '-', (char)optopt, '\0' };
+
+				usage_error("unknown option '%s'", opt_text);
+			}
+			usage_error("unknown option '%s'", argv[optind - 1]);
 		}
 	}
 	if (optind < argc)
@@ -2328,6 +2341,9 @@ parse_options(int argc, char **argv)
 		opt.hand_spin = 2000;
 		opt.iters_sys = 200000;
 	}
+	if (opt.strict && opt.quick)
+		fprintf(stderr, PROG ": --strict has no effect with --quick, "
+				"which never judges speed\n");
 	if (runs > 0)
 		opt.runs = runs;
 	if (duration > 0)
@@ -2372,7 +2388,6 @@ main(int argc, char **argv)
 	alloc_results();
 	stripes_init();
 	subjects_init();
-	calibrate_work();
 	syscalls_detect();
 	keys_build();
 

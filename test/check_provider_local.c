@@ -1,0 +1,1751 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the local: provider (src/provider_local.c): opening a state
+ * directory and refusing unsafe ones, acquire and release through kl_lock,
+ * fences, keys of any bytes kept inside the directory, strict FIFO across
+ * threads and across processes, timeouts, cancellation, a waiter giving up
+ * at the head of the queue, processes killed while holding or waiting, and
+ * planted files (symlinks, FIFOs, foreign files) that must be refused rather
+ * than followed.  Built with -DKL_TEST_HOOKS -I src: it computes the state
+ * file names with kl__siphash, as the provider does.
+ *
+ * Every test gets a fresh private parent directory (mkdtemp) holding the
+ * state directory "state" (0700), both removed at the end.  Other processes
+ * are test/local_helper, started with posix_spawn (a fresh exec, never a
+ * bare fork of the threaded test) and bounded by their own timeouts.
+ *
+ * Worker threads never call ck_assert*: they record statuses, times and
+ * grant ranks, and the test's thread asserts after joining them.  Orders
+ * are forced by polling kl_provider_status (holders and live waiters of a
+ * key), never by sleeping; time bounds are wide and only catch hangs or
+ * early returns.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* nftw, mkdtemp, pipe2, environ without config.h */
+#endif
+
+#include <check.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "internal.h"
+#include "util.h"
+
+/* The provider's fixed SipHash key for state file names. */
+#define NAME_K0 0x6b65796c6f636b31ULL
+#define NAME_K1 0x6c6f63616c717565ULL
+
+/* A uid that is not ours when we run as root. */
+#define NOBODY_UID 65534
+
+/* Bounds on waits that must not hang (a waiter's own timeout). */
+#define WAIT_BOUND_MS 30000
+
+/* ------------------------------------------------------------------ */
+/* Fixture: a fresh parent directory and its private state directory    */
+
+static char g_parent[PATH_MAX]; /* mkdtemp'd, 0700 */
+static char g_dir[PATH_MAX];    /* g_parent/state, 0700 */
+
+/* Helper processes not yet reaped, killed by the cleanup. */
+#define MAX_HELPERS 16
+static pid_t g_live[MAX_HELPERS];
+
+static int
+remove_entry(const char *path, const struct stat *sb, int flag,
+	     struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+/* Kills the helpers left over and removes the directories.  Runs from the
+ * checked teardown and, for tests that failed in a forked child (where
+ * Check exits without the teardown), at exit. */
+static void
+cleanup_all(void)
+{
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] > 0) {
+			kill(g_live[i], SIGKILL);
+			waitpid(g_live[i], NULL, 0);
+			g_live[i] = 0;
+		}
+	}
+	if (g_parent[0] != '\0') {
+		nftw(g_parent, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+		g_parent[0] = '\0';
+		g_dir[0] = '\0';
+	}
+}
+
+static void
+setup(void)
+{
+	int n;
+
+	strcpy(g_parent, "/tmp/kl-check-local.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(g_parent));
+	ck_assert_int_eq(chmod(g_parent, 0700), 0);
+	n = snprintf(g_dir, sizeof g_dir, "%s/state", g_parent);
+	ck_assert(n > 0 && (size_t)n < sizeof g_dir);
+	ck_assert_int_eq(mkdir(g_dir, 0700), 0);
+	ck_assert_int_eq(chmod(g_dir, 0700), 0);
+}
+
+static void
+teardown(void)
+{
+	cleanup_all();
+}
+
+/* g_parent/name into buf. */
+static void
+in_parent(char *buf, size_t size, const char *name)
+{
+	int n = snprintf(buf, size, "%s/%s", g_parent, name);
+
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+/* g_dir/name into buf. */
+static void
+in_state(char *buf, size_t size, const char *name)
+{
+	int n = snprintf(buf, size, "%s/%s", g_dir, name);
+
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+/* The queue file name the provider uses for key. */
+static void
+queue_name(char *buf, size_t size, const char *key, size_t len)
+{
+	snprintf(buf, size, "q%016" PRIx64,
+		 kl__siphash(NAME_K0, NAME_K1, key, len));
+}
+
+/* ------------------------------------------------------------------ */
+/* Providers, locks and status                                         */
+
+static kl_provider *
+open_dir(const char *dir)
+{
+	char uri[PATH_MAX + 16];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	snprintf(uri, sizeof uri, "local:%s", dir);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_open(%s): %s: %s", uri,
+		      kl_strerror(rc), err.message);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+/* Opening uri must fail with KL_EPROVIDER and say why. */
+static void
+open_refused(const char *uri)
+{
+	kl_provider *p = (kl_provider *)&p; /* must be reset to NULL */
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == KL_EPROVIDER, "kl_provider_open(%s) gave %s", uri,
+		      kl_strerror(rc));
+	ck_assert_ptr_null(p);
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+	ck_assert_msg(err.message[0] != '\0', "no message for %s", uri);
+}
+
+struct hold {
+	kl_lock *l;
+	kl_lease *lease;
+};
+
+/* Acquires key on p into h (timeout_ms, cancel c); returns the status.  h
+ * holds nothing unless KL_OK. */
+static int
+take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
+     struct hold *h, kl_error *err)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = NULL, .cancel = c };
+	int rc;
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	h->l = NULL;
+	h->lease = NULL;
+	ck_assert_int_eq(kl_lock_new(&h->l, &o), KL_OK);
+	if (err != NULL)
+		memset(err, 0, sizeof *err);
+	rc = kl_lock_acquire(h->l, &call, &h->lease, err);
+	if (rc != KL_OK) {
+		ck_assert_ptr_null(h->lease);
+		kl_lock_free(h->l);
+		h->l = NULL;
+	} else {
+		ck_assert_ptr_nonnull(h->lease);
+	}
+	return rc;
+}
+
+/* take that must succeed. */
+static void
+take_ok(kl_provider *p, const char *key, int64_t timeout_ms, struct hold *h)
+{
+	kl_error err;
+	int rc = take(p, key, timeout_ms, NULL, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "acquire: %s: %s", kl_strerror(rc),
+		      err.message);
+}
+
+static void
+drop(struct hold *h)
+{
+	kl_lease_release(h->lease);
+	kl_lock_free(h->l);
+	h->lease = NULL;
+	h->l = NULL;
+}
+
+static void
+status_of(kl_provider *p, const char *key, size_t *holders, size_t *waiters)
+{
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_status(p, key, holders, waiters, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
+		      kl_strerror(rc), err.message);
+}
+
+static void
+assert_status(kl_provider *p, const char *key, size_t holders,
+	      size_t waiters)
+{
+	size_t h, w;
+
+	status_of(p, key, &h, &w);
+	ck_assert_msg(h == holders && w == waiters,
+		      "key '%.40s': %zu holders and %zu waiters, expected "
+		      "%zu and %zu",
+		      key, h, w, holders, waiters);
+}
+
+/* Polls until key has exactly holders and waiters. */
+static void
+wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	unsigned spins = 0;
+	size_t h, w;
+
+	for (;;) {
+		status_of(p, key, &h, &w);
+		if (h == holders && w == waiters)
+			return;
+		if (now_ms() > limit)
+			ck_abort_msg("key '%.40s': still %zu holders and %zu "
+				     "waiters after %d ms, expected %zu and "
+				     "%zu",
+				     key, h, w, TEST_POLL_LIMIT_MS, holders,
+				     waiters);
+		test_relax(&spins);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* The state directory's contents                                      */
+
+/* 1: a queue file name q<16 hex>; 2: a ticket file q<16 hex>.<n>; 0: any
+ * other name. */
+static int
+name_kind(const char *name)
+{
+	const char *s = name + 17;
+
+	if (name[0] != 'q')
+		return 0;
+	for (int i = 1; i <= 16; i++)
+		if (!((name[i] >= '0' && name[i] <= '9') ||
+		      (name[i] >= 'a' && name[i] <= 'f')))
+			return 0;
+	if (*s == '\0')
+		return 1;
+	if (*s++ != '.' || *s == '\0')
+		return 0;
+	for (; *s != '\0'; s++)
+		if (*s < '0' || *s > '9')
+			return 0;
+	return 2;
+}
+
+struct scan {
+	int queues;
+	int tickets;
+};
+
+/* Every entry of dir must be a regular file of ours, mode 0600, named as
+ * a queue or ticket file; counts them. */
+static void
+scan_state(const char *dir, struct scan *s)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	struct stat st;
+	int kind;
+
+	ck_assert_msg(d != NULL, "opendir %s: %s", dir, strerror(errno));
+	s->queues = s->tickets = 0;
+	while ((e = readdir(d)) != NULL) {
+		if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0)
+			continue;
+		ck_assert_msg(fstatat(dirfd(d), e->d_name, &st,
+				      AT_SYMLINK_NOFOLLOW) == 0,
+			      "stat %s/%s: %s", dir, e->d_name,
+			      strerror(errno));
+		ck_assert_msg(S_ISREG(st.st_mode),
+			      "%s/%s is not a regular file", dir, e->d_name);
+		ck_assert_msg((st.st_mode & 07777) == 0600,
+			      "%s/%s has mode %04o", dir, e->d_name,
+			      (unsigned)(st.st_mode & 07777));
+		ck_assert_msg(st.st_uid == geteuid(), "%s/%s belongs to %u",
+			      dir, e->d_name, (unsigned)st.st_uid);
+		kind = name_kind(e->d_name);
+		ck_assert_msg(kind != 0, "unexpected file %s/%s", dir,
+			      e->d_name);
+		if (kind == 1)
+			s->queues++;
+		else
+			s->tickets++;
+	}
+	closedir(d);
+}
+
+/* The number of entries of dir other than "." and "..". */
+static int
+dir_entries(const char *dir)
+{
+	DIR *d = opendir(dir);
+	struct dirent *e;
+	int n = 0;
+
+	ck_assert_msg(d != NULL, "opendir %s: %s", dir, strerror(errno));
+	while ((e = readdir(d)) != NULL)
+		if (strcmp(e->d_name, ".") != 0 && strcmp(e->d_name, "..") != 0)
+			n++;
+	closedir(d);
+	return n;
+}
+
+/* The parent holds the state directory and nothing else. */
+static void
+assert_parent_holds_only_state(void)
+{
+	DIR *d = opendir(g_parent);
+	struct dirent *e;
+
+	ck_assert_ptr_nonnull(d);
+	while ((e = readdir(d)) != NULL)
+		ck_assert_msg(strcmp(e->d_name, ".") == 0 ||
+				      strcmp(e->d_name, "..") == 0 ||
+				      strcmp(e->d_name, "state") == 0,
+			      "unexpected %s/%s", g_parent, e->d_name);
+	closedir(d);
+}
+
+/* ------------------------------------------------------------------ */
+/* Waiter threads                                                      */
+
+struct shared {
+	atomic_int seq;      /* the next grant rank */
+	atomic_int inside;   /* waiters between grant and release */
+	atomic_int overlaps; /* grants that found another inside */
+};
+
+struct waiter {
+	/* Inputs. */
+	kl_provider *p;
+	const char *key;
+	int64_t timeout_ms;
+	kl_cancel *cancel;
+	bool release;      /* release right after the grant */
+	struct shared *sh; /* may be NULL */
+	/* Outputs: read after waiter_join. */
+	pthread_t th;
+	struct hold h;
+	int rc;
+	kl_error err;
+	uint64_t fence;
+	int rank; /* grant rank in sh, -1 */
+	int64_t start_ns, end_ns;
+	atomic_bool done;
+};
+
+static void *
+waiter_main(void *arg)
+{
+	struct waiter *w = arg;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = NULL, .cancel = w->cancel };
+
+	o.provider = w->p;
+	o.key = w->key;
+	o.timeout_ms = w->timeout_ms;
+	w->rank = -1;
+	w->rc = kl_lock_new(&w->h.l, &o);
+	if (w->rc == KL_OK) {
+		w->start_ns = now_ns();
+		w->rc = kl_lock_acquire(w->h.l, &call, &w->h.lease, &w->err);
+		w->end_ns = now_ns();
+	}
+	if (w->rc == KL_OK) {
+		w->fence = kl_lease_fence(w->h.lease);
+		if (w->sh != NULL) {
+			w->rank = atomic_fetch_add(&w->sh->seq, 1);
+			if (atomic_fetch_add(&w->sh->inside, 1) != 0)
+				atomic_fetch_add(&w->sh->overlaps, 1);
+		}
+		if (w->release) {
+			if (w->sh != NULL)
+				atomic_fetch_sub(&w->sh->inside, 1);
+			kl_lease_release(w->h.lease);
+			w->h.lease = NULL;
+		}
+	}
+	atomic_store(&w->done, true);
+	return NULL;
+}
+
+static void
+waiter_start(struct waiter *w, kl_provider *p, const char *key,
+	     int64_t timeout_ms, kl_cancel *c, bool release,
+	     struct shared *sh)
+{
+	memset(w, 0, sizeof *w);
+	w->p = p;
+	w->key = key;
+	w->timeout_ms = timeout_ms;
+	w->cancel = c;
+	w->release = release;
+	w->sh = sh;
+	atomic_init(&w->done, false);
+	test_thread_start(&w->th, waiter_main, w);
+}
+
+static bool
+waiter_done(void *arg)
+{
+	return atomic_load(&((struct waiter *)arg)->done);
+}
+
+/* Waits (bounded) for the waiter to return, then joins it. */
+static void
+waiter_join(struct waiter *w)
+{
+	test_poll(waiter_done, w, "a waiter to return");
+	test_thread_join(w->th);
+}
+
+/* Releases what the waiter still holds and frees its lock. */
+static void
+waiter_free(struct waiter *w)
+{
+	if (w->h.lease != NULL)
+		kl_lease_release(w->h.lease);
+	kl_lock_free(w->h.l);
+	w->h.lease = NULL;
+	w->h.l = NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Helper processes (test/local_helper)                                */
+
+struct helper {
+	pid_t pid;
+	int to;   /* its stdin */
+	int from; /* its stdout */
+};
+
+/* The helper next to this program, else under $top_builddir/test. */
+static const char *
+helper_path(void)
+{
+	static char path[PATH_MAX];
+	char self[PATH_MAX];
+	const char *top = getenv("top_builddir");
+	char *slash;
+	ssize_t n;
+	int len;
+
+	if (path[0] != '\0')
+		return path;
+	n = readlink("/proc/self/exe", self, sizeof self - 1);
+	if (n > 0) {
+		self[n] = '\0';
+		if ((slash = strrchr(self, '/')) != NULL) {
+			*slash = '\0';
+			len = snprintf(path, sizeof path, "%s/local_helper",
+				       self);
+			if (len > 0 && (size_t)len < sizeof path &&
+			    access(path, X_OK) == 0)
+				return path;
+		}
+	}
+	len = snprintf(path, sizeof path, "%s/test/local_helper",
+		       top != NULL ? top : ".");
+	ck_assert(len > 0 && (size_t)len < sizeof path);
+	return path;
+}
+
+static void
+live_add(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] == 0) {
+			g_live[i] = pid;
+			return;
+		}
+	}
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	ck_abort_msg("too many helper processes");
+}
+
+static void
+live_remove(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++)
+		if (g_live[i] == pid)
+			g_live[i] = 0;
+}
+
+/* Starts local_helper MODE g_dir KEY [FILE INDEX] with pipes to its stdin
+ * and from its stdout. */
+static void
+helper_spawn(struct helper *h, const char *mode, const char *key,
+	     const char *file, int index)
+{
+	posix_spawn_file_actions_t fa;
+	char idx[16];
+	char *argv[7];
+	int in[2], out[2], rc;
+
+	snprintf(idx, sizeof idx, "%d", index);
+	argv[0] = (char *)"local_helper";
+	argv[1] = (char *)mode;
+	argv[2] = g_dir;
+	argv[3] = (char *)key;
+	argv[4] = (char *)file;
+	argv[5] = file != NULL ? idx : NULL;
+	argv[6] = NULL;
+	/* Close-on-exec, so that no other helper inherits these ends. */
+	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
+	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
+	posix_spawn_file_actions_destroy(&fa);
+	close(in[0]);
+	close(out[1]);
+	if (rc != 0) {
+		close(in[1]);
+		close(out[0]);
+		ck_abort_msg("posix_spawn %s: %s", helper_path(), strerror(rc));
+	}
+	live_add(h->pid);
+	h->to = in[1];
+	h->from = out[0];
+}
+
+/* Reads one line from the helper into buf (without the newline); false
+ * at end of file.  Fails the test when nothing comes in time. */
+static bool
+helper_line(struct helper *h, char *buf, size_t size)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
+	size_t n = 0;
+	ssize_t r;
+	char c;
+
+	for (;;) {
+		int64_t left = limit - now_ms();
+
+		ck_assert_msg(left > 0, "no line from helper %d after %d ms",
+			      (int)h->pid, TEST_POLL_LIMIT_MS);
+		if (poll(&pfd, 1, (int)left) <= 0)
+			continue;
+		r = read(h->from, &c, 1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
+		if (r == 0) {
+			buf[n] = '\0';
+			return false;
+		}
+		if (c == '\n')
+			break;
+		if (n + 1 < size)
+			buf[n++] = c;
+	}
+	buf[n] = '\0';
+	return true;
+}
+
+/* Reads the helper's "G <fence>" line; returns the fence. */
+static uint64_t
+helper_granted(struct helper *h)
+{
+	char line[300];
+	uint64_t fence = 0;
+
+	ck_assert_msg(helper_line(h, line, sizeof line),
+		      "helper %d ended without a grant", (int)h->pid);
+	ck_assert_msg(sscanf(line, "G %" SCNu64, &fence) == 1,
+		      "helper %d: %s", (int)h->pid, line);
+	return fence;
+}
+
+/* Waits (bounded) for the helper to exit and returns its wait status. */
+static int
+helper_reap(struct helper *h)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	unsigned spins = 0;
+	int status = 0;
+	pid_t r;
+
+	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
+		if (now_ms() > limit)
+			ck_abort_msg("helper %d still running after %d ms",
+				     (int)h->pid, TEST_POLL_LIMIT_MS);
+		test_relax(&spins);
+	}
+	ck_assert_msg(r == h->pid, "waitpid: %s", strerror(errno));
+	live_remove(h->pid);
+	return status;
+}
+
+/* Waits for the helper to exit with status 0. */
+static void
+helper_exit_ok(struct helper *h)
+{
+	char line[300];
+	int status = helper_reap(h);
+
+	if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
+		line[0] = '\0';
+		helper_line(h, line, sizeof line);
+		ck_abort_msg("helper %d ended with status 0x%x: %s",
+			     (int)h->pid, (unsigned)status, line);
+	}
+}
+
+static void
+helper_kill(struct helper *h)
+{
+	int status = 0;
+
+	ck_assert_int_eq(kill(h->pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(h->pid, &status, 0), h->pid);
+	live_remove(h->pid);
+	ck_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+}
+
+static void
+helper_close(struct helper *h)
+{
+	close(h->to);
+	close(h->from);
+	h->to = h->from = -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* open                                                                */
+
+START_TEST(test_open_dir)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct hold h;
+
+	take_ok(p, "lo:open", 0, &h);
+	drop(&h);
+	kl_provider_free(p);
+
+	/* A directory that does not exist yet is made, private. */
+	{
+		char fresh[PATH_MAX];
+		struct stat st;
+
+		in_parent(fresh, sizeof fresh, "fresh");
+		p = open_dir(fresh);
+		ck_assert_int_eq(lstat(fresh, &st), 0);
+		ck_assert(S_ISDIR(st.st_mode));
+		ck_assert_int_eq(st.st_mode & 077, 0);
+		take_ok(p, "lo:open", 0, &h);
+		drop(&h);
+		kl_provider_free(p);
+	}
+}
+END_TEST
+
+/* A relative DIR names the same directory after a chdir. */
+START_TEST(test_open_relative_dir)
+{
+	kl_provider *p, *q;
+	struct hold h;
+	int cwd = open(".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+
+	ck_assert_int_ge(cwd, 0);
+	ck_assert_int_eq(chdir(g_parent), 0);
+	p = open_dir("state");
+	ck_assert_int_eq(chdir("/"), 0);
+	q = open_dir(g_dir);
+	take_ok(p, "lo:relative", 0, &h);
+	assert_status(q, "lo:relative", 1, 0);
+	drop(&h);
+	assert_status(q, "lo:relative", 0, 0);
+	kl_provider_free(p);
+	kl_provider_free(q);
+	ck_assert_int_eq(fchdir(cwd), 0);
+	close(cwd);
+}
+END_TEST
+
+/* "local:" uses $XDG_RUNTIME_DIR/keylock, made private. */
+START_TEST(test_open_default_dir)
+{
+	const char *old = getenv("XDG_RUNTIME_DIR");
+	char *saved = old != NULL ? strdup(old) : NULL;
+	char dflt[PATH_MAX];
+	kl_provider *p = NULL;
+	struct stat st;
+	struct scan s;
+	struct hold h;
+	kl_error err;
+	int rc;
+
+	ck_assert_int_eq(setenv("XDG_RUNTIME_DIR", g_parent, 1), 0);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, "local:", &err);
+	if (saved != NULL)
+		setenv("XDG_RUNTIME_DIR", saved, 1);
+	else
+		unsetenv("XDG_RUNTIME_DIR");
+	free(saved);
+	ck_assert_msg(rc == KL_OK, "local:: %s: %s", kl_strerror(rc),
+		      err.message);
+
+	in_parent(dflt, sizeof dflt, "keylock");
+	ck_assert_int_eq(lstat(dflt, &st), 0);
+	ck_assert(S_ISDIR(st.st_mode));
+	ck_assert_uint_eq(st.st_mode & 0777, 0700);
+	take_ok(p, "lo:default", 0, &h);
+	scan_state(dflt, &s);
+	ck_assert_int_eq(s.queues, 1);
+	ck_assert_int_eq(s.tickets, 1);
+	drop(&h);
+	kl_provider_free(p);
+	/* Nothing went to the explicit state directory. */
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+}
+END_TEST
+
+START_TEST(test_open_refuses_writable_dir)
+{
+	char uri[PATH_MAX + 16];
+
+	snprintf(uri, sizeof uri, "local:%s", g_dir);
+	ck_assert_int_eq(chmod(g_dir, 0777), 0);
+	open_refused(uri);
+	ck_assert_int_eq(chmod(g_dir, 0770), 0);
+	open_refused(uri);
+	ck_assert_int_eq(chmod(g_dir, 0702), 0);
+	open_refused(uri);
+	/* Nothing was made in it. */
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	ck_assert_int_eq(chmod(g_dir, 0700), 0);
+	kl_provider_free(open_dir(g_dir));
+}
+END_TEST
+
+START_TEST(test_open_refuses_symlink)
+{
+	char link[PATH_MAX], uri[PATH_MAX + 16];
+
+	in_parent(link, sizeof link, "link");
+	ck_assert_int_eq(symlink(g_dir, link), 0);
+	snprintf(uri, sizeof uri, "local:%s", link);
+	open_refused(uri);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+}
+END_TEST
+
+START_TEST(test_open_refuses_non_directory)
+{
+	char file[PATH_MAX], uri[PATH_MAX + 16];
+	int fd;
+
+	in_parent(file, sizeof file, "file");
+	fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	snprintf(uri, sizeof uri, "local:%s", file);
+	open_refused(uri);
+}
+END_TEST
+
+/* As root: a directory of another user is refused (skipped otherwise). */
+START_TEST(test_open_refuses_foreign_dir)
+{
+	char uri[PATH_MAX + 16];
+
+	if (geteuid() != 0)
+		return; /* cannot give a directory away */
+	ck_assert_int_eq(chown(g_dir, NOBODY_UID, NOBODY_UID), 0);
+	snprintf(uri, sizeof uri, "local:%s", g_dir);
+	open_refused(uri);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* basic                                                               */
+
+struct seen {
+	kl_provider *p;
+	size_t holders, waiters;
+	int rc;
+};
+
+/* Records the key's status from inside kl_lock_run. */
+static int
+fn_check(void *arg)
+{
+	struct seen *a = arg;
+
+	a->rc = kl_provider_status(a->p, "lo:basic", &a->holders, &a->waiters,
+				   NULL);
+	return 7;
+}
+
+static int
+fn_ran(void *arg)
+{
+	*(int *)arg = 1;
+	return 0;
+}
+
+START_TEST(test_acquire_release)
+{
+	kl_provider *p = open_dir(g_dir);
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	struct seen seen = { p, 9, 9, 1 };
+	struct hold h, h2;
+	struct scan s;
+	kl_lock *l;
+	kl_error err;
+	int res = 0;
+
+	assert_status(p, "lo:basic", 0, 0);
+	take_ok(p, "lo:basic", KL_FOREVER, &h);
+	ck_assert_str_eq(kl_lease_key(h.lease), "lo:basic");
+	ck_assert(kl_lease_valid(h.lease));
+	assert_status(p, "lo:basic", 1, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.queues, 1);
+	ck_assert_int_eq(s.tickets, 1);
+	/* Held: a second acquire of the key does not get it. */
+	ck_assert_int_eq(take(p, "lo:basic", 0, NULL, &h2, NULL),
+			 KL_ETIMEDOUT);
+	drop(&h);
+	assert_status(p, "lo:basic", 0, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.queues, 1);
+	ck_assert_int_eq(s.tickets, 0);
+
+	/* kl_lock_run holds it while fn runs, and releases. */
+	o.provider = p;
+	o.key = "lo:basic";
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_check, &seen, &res, &err),
+			 KL_OK);
+	ck_assert_int_eq(res, 7);
+	ck_assert_int_eq(seen.rc, KL_OK);
+	ck_assert_uint_eq(seen.holders, 1);
+	ck_assert_uint_eq(seen.waiters, 0);
+	kl_lock_free(l);
+	assert_status(p, "lo:basic", 0, 0);
+	kl_provider_free(p);
+	assert_parent_holds_only_state();
+}
+END_TEST
+
+START_TEST(test_fence_grows)
+{
+	kl_provider *p = open_dir(g_dir), *q;
+	uint64_t last = 0, f;
+	struct hold h;
+
+	for (int i = 0; i < 5; i++) {
+		take_ok(p, "lo:fence", 0, &h);
+		f = kl_lease_fence(h.lease);
+		ck_assert_msg(f > last, "fence %" PRIu64 " after %" PRIu64, f,
+			      last);
+		last = f;
+		drop(&h);
+	}
+	/* The fence lives in the directory: another provider on it (as
+	 * another process would) continues from there. */
+	q = open_dir(g_dir);
+	take_ok(q, "lo:fence", 0, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), last);
+	last = kl_lease_fence(h.lease);
+	drop(&h);
+	take_ok(p, "lo:fence", 0, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), last);
+	drop(&h);
+	/* Another key has its own fence; it still starts above zero. */
+	take_ok(p, "lo:fence:other", 0, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), 0);
+	drop(&h);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_keys_independent)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct hold a, b, a2;
+
+	take_ok(p, "lo:a", 0, &a);
+	take_ok(p, "lo:b", 0, &b); /* try-once: not blocked by lo:a */
+	assert_status(p, "lo:a", 1, 0);
+	assert_status(p, "lo:b", 1, 0);
+	ck_assert_int_eq(take(p, "lo:a", 0, NULL, &a2, NULL), KL_ETIMEDOUT);
+	drop(&a);
+	assert_status(p, "lo:a", 0, 0);
+	assert_status(p, "lo:b", 1, 0);
+	take_ok(p, "lo:a", 0, &a);
+	drop(&a);
+	drop(&b);
+	kl_provider_free(p);
+}
+END_TEST
+
+static char *
+key_filled(size_t len, char fill)
+{
+	char *k = malloc(len + 1);
+
+	ck_assert_ptr_nonnull(k);
+	memset(k, fill, len);
+	k[len] = '\0';
+	return k;
+}
+
+/* Keys of any bytes and length: each works, and every file made is a
+ * hashed name directly inside the state directory. */
+START_TEST(test_keys_any_bytes)
+{
+	enum { NKEYS = 16 };
+	char *keys[NKEYS];
+	char names[NKEYS][24];
+	struct hold h[NKEYS];
+	struct stat passwd_before, passwd_after;
+	bool have_passwd = stat("/etc/passwd", &passwd_before) == 0;
+	kl_provider *p = open_dir(g_dir);
+	char binary[256], path[PATH_MAX];
+	struct scan s;
+	struct stat st;
+	int n = 0;
+
+	for (int i = 0; i < 255; i++)
+		binary[i] = (char)(i + 1); /* 0x01 .. 0xFF */
+	binary[255] = '\0';
+	keys[n++] = strdup("");
+	keys[n++] = strdup("x");
+	keys[n++] = key_filled(255, 'k');
+	keys[n++] = key_filled(300, 'a');
+	keys[n++] = key_filled(4096, 'm');
+	keys[n++] = key_filled(1024 * 1024, 'g');
+	keys[n++] = strdup(binary);
+	keys[n++] = strdup("\xff\xfe\xc3\x28 invalid utf-8");
+	keys[n++] = strdup("../../etc/passwd");
+	keys[n++] = strdup("a/b");
+	keys[n++] = strdup(".");
+	keys[n++] = strdup("..");
+	keys[n++] = strdup("/");
+	keys[n++] = strdup("q0000000000000000");
+	keys[n++] = strdup("state/../../escape");
+	keys[n++] = strdup("%s%n*");
+	ck_assert_int_eq(n, NKEYS);
+	for (int i = 0; i < n; i++) {
+		ck_assert_ptr_nonnull(keys[i]);
+		queue_name(names[i], sizeof names[i], keys[i],
+			   strlen(keys[i]));
+	}
+	/* Distinct names, so that no key can wait for another below. */
+	for (int i = 0; i < n; i++)
+		for (int j = i + 1; j < n; j++)
+			ck_assert_str_ne(names[i], names[j]);
+
+	for (int i = 0; i < n; i++) {
+		take_ok(p, keys[i], 0, &h[i]);
+		/* The lease keeps the key whole. */
+		ck_assert(strcmp(kl_lease_key(h[i].lease), keys[i]) == 0);
+		in_state(path, sizeof path, names[i]);
+		ck_assert_msg(lstat(path, &st) == 0 && S_ISREG(st.st_mode),
+			      "no queue file %s for key %d", names[i], i);
+	}
+	for (int i = 0; i < n; i++)
+		assert_status(p, keys[i], 1, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.queues, n);
+	ck_assert_int_eq(s.tickets, n);
+	assert_parent_holds_only_state();
+
+	for (int i = 0; i < n; i++)
+		drop(&h[i]);
+	for (int i = 0; i < n; i++)
+		assert_status(p, keys[i], 0, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.queues, n);
+	ck_assert_int_eq(s.tickets, 0);
+	assert_parent_holds_only_state();
+	/* Again, through the existing queue files. */
+	for (int i = 0; i < n; i++) {
+		take_ok(p, keys[i], 0, &h[i]);
+		drop(&h[i]);
+	}
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.queues, n);
+	ck_assert_int_eq(s.tickets, 0);
+	if (have_passwd) {
+		ck_assert_int_eq(stat("/etc/passwd", &passwd_after), 0);
+		ck_assert(passwd_after.st_size == passwd_before.st_size);
+		ck_assert(passwd_after.st_mtim.tv_sec ==
+				  passwd_before.st_mtim.tv_sec &&
+			  passwd_after.st_mtim.tv_nsec ==
+				  passwd_before.st_mtim.tv_nsec);
+	}
+	for (int i = 0; i < n; i++)
+		free(keys[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_status_free_key)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct hold h;
+	size_t holders = 9, waiters = 9;
+	kl_error err;
+
+	/* Never used: nothing is created to answer. */
+	assert_status(p, "lo:never", 0, 0);
+	assert_status(p, "", 0, 0);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	/* Used and released. */
+	take_ok(p, "lo:free", 0, &h);
+	drop(&h);
+	assert_status(p, "lo:free", 0, 0);
+	/* Bad arguments. */
+	ck_assert_int_eq(kl_provider_status(p, NULL, &holders, &waiters,
+					    &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_provider_status(p, "lo:free", NULL, &waiters,
+					    NULL),
+			 KL_EINVAL);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* FIFO across threads of one process                                  */
+
+START_TEST(test_fifo_threads)
+{
+	enum { N = 8 };
+	kl_provider *p = open_dir(g_dir);
+	struct waiter w[N];
+	struct shared sh;
+	struct hold h;
+	uint64_t f0;
+
+	atomic_init(&sh.seq, 0);
+	atomic_init(&sh.inside, 0);
+	atomic_init(&sh.overlaps, 0);
+	take_ok(p, "lo:fifo", 0, &h);
+	f0 = kl_lease_fence(h.lease);
+	for (int i = 0; i < N; i++) {
+		waiter_start(&w[i], p, "lo:fifo", WAIT_BOUND_MS, NULL, true,
+			     &sh);
+		wait_status(p, "lo:fifo", 1, (size_t)i + 1);
+	}
+	drop(&h);
+	for (int i = 0; i < N; i++)
+		waiter_join(&w[i]);
+	for (int i = 0; i < N; i++) {
+		ck_assert_msg(w[i].rc == KL_OK, "waiter %d: %s: %s", i,
+			      kl_strerror(w[i].rc), w[i].err.message);
+		ck_assert_msg(w[i].rank == i, "waiter %d granted as number %d",
+			      i, w[i].rank);
+		ck_assert_uint_eq(w[i].fence, f0 + 1 + (uint64_t)i);
+		waiter_free(&w[i]);
+	}
+	ck_assert_int_eq(atomic_load(&sh.overlaps), 0);
+	assert_status(p, "lo:fifo", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* timeout                                                             */
+
+START_TEST(test_timeout_leaves_queue)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct waiter w;
+	struct hold h, h2;
+	struct scan s;
+	int64_t waited;
+
+	take_ok(p, "lo:timeout", 0, &h);
+	waiter_start(&w, p, "lo:timeout", 200, NULL, false, NULL);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_ETIMEDOUT, "waiter: %s",
+		      kl_strerror(w.rc));
+	waited = (w.end_ns - w.start_ns) / 1000000;
+	ck_assert_msg(waited >= 200, "timed out after %" PRId64 " ms",
+		      waited);
+	ck_assert_msg(waited < 200 + 5000, "timed out after %" PRId64 " ms",
+		      waited);
+	ck_assert(w.err.message[0] != '\0');
+	waiter_free(&w);
+	/* Gone from the queue, its ticket file too. */
+	assert_status(p, "lo:timeout", 1, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.tickets, 1);
+	drop(&h);
+	/* Nothing stale blocks the next one. */
+	ck_assert_int_eq(take(p, "lo:timeout", 0, NULL, &h2, NULL), KL_OK);
+	drop(&h2);
+	assert_status(p, "lo:timeout", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_try_once)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct hold h, h2;
+	kl_error err;
+	int64_t start, took;
+	int rc;
+
+	take_ok(p, "lo:once", 0, &h);
+	start = now_ms();
+	rc = take(p, "lo:once", 0, NULL, &h2, &err);
+	took = now_ms() - start;
+	ck_assert_int_eq(rc, KL_ETIMEDOUT);
+	ck_assert_int_eq(err.status, KL_ETIMEDOUT);
+	ck_assert_msg(took < 2000, "try-once took %" PRId64 " ms", took);
+	assert_status(p, "lo:once", 1, 0);
+	drop(&h);
+	ck_assert_int_eq(take(p, "lo:once", 0, NULL, &h2, NULL), KL_OK);
+	drop(&h2);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* cancel                                                              */
+
+START_TEST(test_cancel_leaves_queue)
+{
+	kl_provider *p = open_dir(g_dir);
+	kl_cancel *c;
+	struct waiter w;
+	struct hold h;
+	struct scan s;
+
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	take_ok(p, "lo:cancel", 0, &h);
+	waiter_start(&w, p, "lo:cancel", WAIT_BOUND_MS, c, false, NULL);
+	wait_status(p, "lo:cancel", 1, 1);
+	kl_cancel_fire(c);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_ECANCELED, "waiter: %s", kl_strerror(w.rc));
+	waiter_free(&w);
+	assert_status(p, "lo:cancel", 1, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.tickets, 1);
+	drop(&h);
+	assert_status(p, "lo:cancel", 0, 0);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_cancel_prefired)
+{
+	kl_provider *p = open_dir(g_dir);
+	kl_cancel *c;
+	struct hold h, h2;
+	int64_t start;
+
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	kl_cancel_fire(c);
+	/* Free key. */
+	start = now_ms();
+	ck_assert_int_eq(take(p, "lo:prefired", KL_FOREVER, c, &h2, NULL),
+			 KL_ECANCELED);
+	assert_status(p, "lo:prefired", 0, 0);
+	/* Held key. */
+	take_ok(p, "lo:prefired", 0, &h);
+	ck_assert_int_eq(take(p, "lo:prefired", KL_FOREVER, c, &h2, NULL),
+			 KL_ECANCELED);
+	ck_assert_int_lt(now_ms() - start, 2000);
+	assert_status(p, "lo:prefired", 1, 0);
+	drop(&h);
+	assert_status(p, "lo:prefired", 0, 0);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* A waiter that gives up at the head of the queue passes the key on    */
+
+START_TEST(test_head_gives_up_passes_on)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct waiter w1, w2;
+	struct hold h;
+	uint64_t f0;
+
+	take_ok(p, "lo:head", 0, &h);
+	f0 = kl_lease_fence(h.lease);
+	/* W1's timeout only has to outlast queueing W2 behind it. */
+	waiter_start(&w1, p, "lo:head", 2000, NULL, false, NULL);
+	wait_status(p, "lo:head", 1, 1);
+	waiter_start(&w2, p, "lo:head", WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, "lo:head", 1, 2);
+	waiter_join(&w1);
+	ck_assert_msg(w1.rc == KL_ETIMEDOUT, "W1: %s", kl_strerror(w1.rc));
+	wait_status(p, "lo:head", 1, 1);
+	ck_assert(!atomic_load(&w2.done));
+	drop(&h);
+	waiter_join(&w2);
+	ck_assert_msg(w2.rc == KL_OK, "W2: %s: %s", kl_strerror(w2.rc),
+		      w2.err.message);
+	ck_assert_uint_eq(w2.fence, f0 + 1);
+	assert_status(p, "lo:head", 1, 0);
+	waiter_free(&w2);
+	waiter_free(&w1);
+	assert_status(p, "lo:head", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* KL_ERRORCHECK                                                       */
+
+START_TEST(test_errorcheck_refused)
+{
+	kl_provider *p = open_dir(g_dir);
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lease *lease = (kl_lease *)&lease;
+	kl_lock *l;
+	kl_error err;
+	int ran = 0;
+
+	o.provider = p;
+	o.key = "lo:errorcheck";
+	o.flags = KL_ERRORCHECK;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, &err), KL_EINVAL);
+	ck_assert_ptr_null(lease);
+	ck_assert_int_eq(err.status, KL_EINVAL);
+	ck_assert(err.message[0] != '\0');
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_lock_run(l, NULL, fn_ran, &ran, NULL, &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(ran, 0);
+	ck_assert(err.message[0] != '\0');
+	kl_lock_free(l);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	assert_status(p, "lo:errorcheck", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Processes                                                           */
+
+/* A holder process killed while holding: the waiter here gets the key. */
+START_TEST(test_process_holder_killed)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct helper hp;
+	struct waiter w;
+	uint64_t f1;
+	int64_t killed_ns, after_ms;
+
+	helper_spawn(&hp, "hold", "lo:proc:holder", NULL, 0);
+	f1 = helper_granted(&hp);
+	assert_status(p, "lo:proc:holder", 1, 0);
+	waiter_start(&w, p, "lo:proc:holder", WAIT_BOUND_MS, NULL, false,
+		     NULL);
+	wait_status(p, "lo:proc:holder", 1, 1);
+	killed_ns = now_ns();
+	helper_kill(&hp);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK, "waiter: %s: %s", kl_strerror(w.rc),
+		      w.err.message);
+	after_ms = (w.end_ns - killed_ns) / 1000000;
+	ck_assert_msg(after_ms < 2000, "granted %" PRId64 " ms after the kill",
+		      after_ms);
+	ck_assert_uint_gt(w.fence, f1);
+	assert_status(p, "lo:proc:holder", 1, 0);
+	waiter_free(&w);
+	assert_status(p, "lo:proc:holder", 0, 0);
+	helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A waiter process killed at the head of the queue: the one behind it
+ * gets the key when the holder releases. */
+START_TEST(test_process_waiter_killed)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct helper hp;
+	struct waiter w;
+	struct hold h;
+	struct scan s;
+	char line[300];
+	uint64_t f0;
+
+	take_ok(p, "lo:proc:waiter", 0, &h);
+	f0 = kl_lease_fence(h.lease);
+	helper_spawn(&hp, "hold", "lo:proc:waiter", NULL, 0);
+	wait_status(p, "lo:proc:waiter", 1, 1);
+	waiter_start(&w, p, "lo:proc:waiter", WAIT_BOUND_MS, NULL, false,
+		     NULL);
+	wait_status(p, "lo:proc:waiter", 1, 2);
+	helper_kill(&hp);
+	/* The dead waiter is no longer counted; the holder still holds. */
+	wait_status(p, "lo:proc:waiter", 1, 1);
+	ck_assert(!atomic_load(&w.done));
+	/* It never got the key. */
+	ck_assert(!helper_line(&hp, line, sizeof line));
+	drop(&h);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK, "waiter: %s: %s", kl_strerror(w.rc),
+		      w.err.message);
+	ck_assert_uint_eq(w.fence, f0 + 1);
+	assert_status(p, "lo:proc:waiter", 1, 0);
+	waiter_free(&w);
+	assert_status(p, "lo:proc:waiter", 0, 0);
+	scan_state(g_dir, &s);
+	ck_assert_int_eq(s.tickets, 0);
+	helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Strict FIFO across processes: each appends its index when granted. */
+START_TEST(test_process_fifo)
+{
+	enum { N = 4 };
+	kl_provider *p = open_dir(g_dir);
+	struct helper hp[N];
+	struct hold h;
+	char file[PATH_MAX], got[64];
+	ssize_t n;
+	int fd;
+
+	/* The order file lives beside the state directory. */
+	in_parent(file, sizeof file, "order");
+	fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	take_ok(p, "lo:proc:fifo", 0, &h);
+	for (int i = 0; i < N; i++) {
+		helper_spawn(&hp[i], "append", "lo:proc:fifo", file, i);
+		wait_status(p, "lo:proc:fifo", 1, (size_t)i + 1);
+	}
+	drop(&h);
+	for (int i = 0; i < N; i++)
+		helper_exit_ok(&hp[i]);
+	fd = open(file, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	n = read(fd, got, sizeof got - 1);
+	close(fd);
+	ck_assert_int_ge(n, 0);
+	got[n] = '\0';
+	ck_assert_str_eq(got, "0\n1\n2\n3\n");
+	assert_status(p, "lo:proc:fifo", 0, 0);
+	for (int i = 0; i < N; i++)
+		helper_close(&hp[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Planted files                                                       */
+
+/* Longer than the queue file's state, so that a provider following a
+ * planted link would read it as state and write it back. */
+#define VICTIM_TEXT "victim: never to be written by the local provider\n"
+
+struct victim {
+	char path[PATH_MAX];
+	struct stat st;
+};
+
+/* A file outside the state directory with known contents and an old
+ * mtime, so that any write shows. */
+static void
+victim_make(struct victim *v, const char *name)
+{
+	const struct timespec old[2] = { { 1000000000, 0 },
+					 { 1000000000, 0 } };
+	int fd;
+
+	in_parent(v->path, sizeof v->path, name);
+	fd = open(v->path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, VICTIM_TEXT, strlen(VICTIM_TEXT)),
+			 (ssize_t)strlen(VICTIM_TEXT));
+	close(fd);
+	ck_assert_int_eq(utimensat(AT_FDCWD, v->path, old, 0), 0);
+	ck_assert_int_eq(stat(v->path, &v->st), 0);
+}
+
+static void
+victim_unchanged(const struct victim *v)
+{
+	struct stat st;
+	char buf[sizeof VICTIM_TEXT + 16];
+	ssize_t n;
+	int fd;
+
+	ck_assert_int_eq(lstat(v->path, &st), 0);
+	ck_assert(S_ISREG(st.st_mode));
+	ck_assert_int_eq((long)st.st_size, (long)v->st.st_size);
+	ck_assert(st.st_mtim.tv_sec == v->st.st_mtim.tv_sec &&
+		  st.st_mtim.tv_nsec == v->st.st_mtim.tv_nsec);
+	ck_assert_uint_eq(st.st_mode & 07777, v->st.st_mode & 07777);
+	ck_assert_uint_eq(st.st_uid, v->st.st_uid);
+	fd = open(v->path, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	ck_assert_int_eq(n, (ssize_t)strlen(VICTIM_TEXT));
+	buf[n] = '\0';
+	ck_assert_str_eq(buf, VICTIM_TEXT);
+}
+
+/* Acquiring key must be refused with KL_EPROVIDER and a message. */
+static void
+acquire_refused(kl_provider *p, const char *key)
+{
+	struct hold h;
+	kl_error err;
+	int rc = take(p, key, 1000, NULL, &h, &err);
+
+	ck_assert_msg(rc == KL_EPROVIDER, "acquire of '%s' gave %s", key,
+		      kl_strerror(rc));
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+	ck_assert(err.message[0] != '\0');
+}
+
+START_TEST(test_planted_symlink_queue)
+{
+	const char *key = "lo:planted:symlink";
+	const char *key2 = "lo:planted:dangling";
+	kl_provider *p = open_dir(g_dir);
+	char q[24], q2[24], target[PATH_MAX], link[PATH_MAX];
+	struct victim v;
+	struct stat st;
+	size_t holders, waiters;
+	kl_error err;
+
+	victim_make(&v, "victim");
+	queue_name(q, sizeof q, key, strlen(key));
+	in_state(link, sizeof link, q);
+	ck_assert_int_eq(symlink(v.path, link), 0);
+	acquire_refused(p, key);
+	victim_unchanged(&v);
+	ck_assert_int_ne(kl_provider_status(p, key, &holders, &waiters, &err),
+			 KL_OK);
+	victim_unchanged(&v);
+	/* Still the planted link: nothing replaced or followed it. */
+	ck_assert_int_eq(lstat(link, &st), 0);
+	ck_assert(S_ISLNK(st.st_mode));
+
+	/* A dangling link must not create its target either. */
+	in_parent(target, sizeof target, "created");
+	queue_name(q2, sizeof q2, key2, strlen(key2));
+	in_state(link, sizeof link, q2);
+	ck_assert_int_eq(symlink(target, link), 0);
+	acquire_refused(p, key2);
+	ck_assert_int_ne(lstat(target, &st), 0);
+
+	/* Other keys still work. */
+	{
+		struct hold h;
+
+		take_ok(p, "lo:planted:other", 0, &h);
+		drop(&h);
+	}
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A symlink planted where a ticket file will be made is replaced, never
+ * followed. */
+START_TEST(test_planted_symlink_ticket)
+{
+	const char *key = "lo:planted:ticket";
+	kl_provider *p = open_dir(g_dir);
+	char q[24], t[32], link[PATH_MAX];
+	struct victim v;
+	struct stat st;
+	struct hold h;
+	kl_error err;
+	int rc;
+
+	victim_make(&v, "victim");
+	queue_name(q, sizeof q, key, strlen(key));
+	snprintf(t, sizeof t, "%s.0", q);
+	in_state(link, sizeof link, t);
+	ck_assert_int_eq(symlink(v.path, link), 0);
+	rc = take(p, key, 1000, NULL, &h, &err);
+	ck_assert_msg(rc == KL_OK || rc == KL_EPROVIDER, "acquire: %s",
+		      kl_strerror(rc));
+	victim_unchanged(&v);
+	if (rc == KL_OK) {
+		/* Its own ticket file now, not the link. */
+		ck_assert_int_eq(lstat(link, &st), 0);
+		ck_assert(S_ISREG(st.st_mode));
+		drop(&h);
+	}
+	victim_unchanged(&v);
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+struct refuse_run {
+	kl_provider *p;
+	const char *key;
+	int rc;
+	int status_rc;
+	atomic_bool done;
+};
+
+static void *
+refuse_main(void *arg)
+{
+	struct refuse_run *r = arg;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lease *lease = NULL;
+	size_t holders, waiters;
+	kl_lock *l = NULL;
+
+	o.provider = r->p;
+	o.key = r->key;
+	o.timeout_ms = 1000;
+	r->rc = kl_lock_new(&l, &o);
+	if (r->rc == KL_OK)
+		r->rc = kl_lock_acquire(l, NULL, &lease, NULL);
+	if (r->rc == KL_OK)
+		kl_lease_release(lease);
+	kl_lock_free(l);
+	r->status_rc = kl_provider_status(r->p, r->key, &holders, &waiters,
+					  NULL);
+	atomic_store(&r->done, true);
+	return NULL;
+}
+
+static bool
+refuse_done(void *arg)
+{
+	return atomic_load(&((struct refuse_run *)arg)->done);
+}
+
+/* A FIFO planted as the queue file: refused, without hanging on it (the
+ * calls run in a thread so that a hang fails the test instead of
+ * stalling it). */
+START_TEST(test_planted_fifo)
+{
+	const char *key = "lo:planted:fifo";
+	kl_provider *p = open_dir(g_dir);
+	struct refuse_run r = { .p = p, .key = key };
+	char q[24], path[PATH_MAX];
+	struct stat st;
+	pthread_t th;
+
+	queue_name(q, sizeof q, key, strlen(key));
+	in_state(path, sizeof path, q);
+	ck_assert_int_eq(mkfifo(path, 0600), 0);
+	atomic_init(&r.done, false);
+	test_thread_start(&th, refuse_main, &r);
+	test_poll(refuse_done, &r, "an acquire on a planted FIFO to return");
+	test_thread_join(th);
+	ck_assert_msg(r.rc == KL_EPROVIDER, "acquire gave %s",
+		      kl_strerror(r.rc));
+	ck_assert_int_eq(r.status_rc, KL_EPROVIDER);
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert(S_ISFIFO(st.st_mode));
+	kl_provider_free(p);
+}
+END_TEST
+
+/* As root: a regular file of another user planted as the queue file is
+ * refused and left alone (skipped otherwise). */
+START_TEST(test_planted_foreign_file)
+{
+	const char *key = "lo:planted:foreign";
+	kl_provider *p;
+	char q[24], path[PATH_MAX];
+	struct stat st;
+	size_t holders, waiters;
+	int fd;
+
+	if (geteuid() != 0)
+		return; /* cannot give a file away */
+	p = open_dir(g_dir);
+	queue_name(q, sizeof q, key, strlen(key));
+	in_state(path, sizeof path, q);
+	fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	ck_assert_int_eq(chown(path, NOBODY_UID, NOBODY_UID), 0);
+	acquire_refused(p, key);
+	ck_assert_int_eq(kl_provider_status(p, key, &holders, &waiters, NULL),
+			 KL_EPROVIDER);
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert(S_ISREG(st.st_mode));
+	ck_assert_int_eq(st.st_size, 0);
+	ck_assert_uint_eq(st.st_uid, NOBODY_UID);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static TCase *
+tcase_new(Suite *s, const char *name, int timeout)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, timeout);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
+static Suite *
+provider_local_suite(void)
+{
+	Suite *s = suite_create("provider_local");
+	TCase *tc;
+
+	tc = tcase_new(s, "open", 60);
+	tcase_add_test(tc, test_open_dir);
+	tcase_add_test(tc, test_open_relative_dir);
+	tcase_add_test(tc, test_open_default_dir);
+	tcase_add_test(tc, test_open_refuses_writable_dir);
+	tcase_add_test(tc, test_open_refuses_symlink);
+	tcase_add_test(tc, test_open_refuses_non_directory);
+	tcase_add_test(tc, test_open_refuses_foreign_dir);
+
+	tc = tcase_new(s, "basic", 60);
+	tcase_add_test(tc, test_acquire_release);
+	tcase_add_test(tc, test_fence_grows);
+	tcase_add_test(tc, test_keys_independent);
+	tcase_add_test(tc, test_keys_any_bytes);
+	tcase_add_test(tc, test_status_free_key);
+
+	tc = tcase_new(s, "fifo", 60);
+	tcase_add_test(tc, test_fifo_threads);
+
+	tc = tcase_new(s, "timeout", 60);
+	tcase_add_test(tc, test_timeout_leaves_queue);
+	tcase_add_test(tc, test_try_once);
+
+	tc = tcase_new(s, "cancel", 60);
+	tcase_add_test(tc, test_cancel_leaves_queue);
+	tcase_add_test(tc, test_cancel_prefired);
+
+	tc = tcase_new(s, "handoff", 60);
+	tcase_add_test(tc, test_head_gives_up_passes_on);
+
+	tc = tcase_new(s, "errorcheck", 60);
+	tcase_add_test(tc, test_errorcheck_refused);
+
+	tc = tcase_new(s, "process", 60);
+	tcase_add_test(tc, test_process_holder_killed);
+	tcase_add_test(tc, test_process_waiter_killed);
+	tcase_add_test(tc, test_process_fifo);
+
+	tc = tcase_new(s, "security", 60);
+	tcase_add_test(tc, test_planted_symlink_queue);
+	tcase_add_test(tc, test_planted_symlink_ticket);
+	tcase_add_test(tc, test_planted_fifo);
+	tcase_add_test(tc, test_planted_foreign_file);
+
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr = srunner_create(provider_local_suite());
+	int failed;
+
+	atexit(cleanup_all);
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

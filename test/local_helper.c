@@ -1,0 +1,123 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * A helper process for check_provider_local: the suite spawns it (a fresh
+ * exec, never a bare fork of the threaded test) to lock keys of a local:
+ * directory from another process.
+ *
+ *   local_helper hold DIR KEY
+ *	acquires KEY, writes "G <fence>" on stdout, then keeps the key until
+ *	a line or end of file arrives on stdin, releases, writes "R", exits 0.
+ *   local_helper append DIR KEY FILE INDEX
+ *	acquires KEY, appends "INDEX\n" to FILE, releases, exits 0.
+ *
+ * A failure to acquire writes "E <status> <message>" and exits 3; bad usage
+ * exits 2.  Every wait is bounded (HELPER_TIMEOUT_MS) and the helper asks to
+ * be killed when its parent dies, so a failed test never strands one.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
+
+#include "keylock.h"
+
+#define HELPER_TIMEOUT_MS 60000
+
+static int
+usage(void)
+{
+	fprintf(stderr, "usage: local_helper hold DIR KEY\n"
+			"       local_helper append DIR KEY FILE INDEX\n");
+	return 2;
+}
+
+static int
+append_line(const char *file, const char *text)
+{
+	char line[64];
+	int fd, n, rc = 0;
+
+	n = snprintf(line, sizeof line, "%s\n", text);
+	if (n < 0 || (size_t)n >= sizeof line)
+		return -1;
+	fd = open(file, O_WRONLY | O_APPEND | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (write(fd, line, (size_t)n) != (ssize_t)n)
+		rc = -1;
+	if (close(fd) != 0)
+		rc = -1;
+	return rc;
+}
+
+int
+main(int argc, char **argv)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_provider *p = NULL;
+	kl_lock *l = NULL;
+	kl_lease *lease = NULL;
+	kl_error err;
+	char uri[4096], buf[64];
+	bool hold;
+	int rc;
+
+#if defined(__linux__)
+	prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
+	if (argc < 4)
+		return usage();
+	if (strcmp(argv[1], "hold") == 0 && argc == 4)
+		hold = true;
+	else if (strcmp(argv[1], "append") == 0 && argc == 6)
+		hold = false;
+	else
+		return usage();
+	setvbuf(stdout, NULL, _IONBF, 0);
+
+	snprintf(uri, sizeof uri, "local:%s", argv[2]);
+	memset(&err, 0, sizeof err);
+	if ((rc = kl_provider_open(&p, uri, &err)) != KL_OK) {
+		printf("E %d %s\n", rc, err.message);
+		return 3;
+	}
+	o.provider = p;
+	o.key = argv[3];
+	o.timeout_ms = HELPER_TIMEOUT_MS;
+	if ((rc = kl_lock_new(&l, &o)) != KL_OK) {
+		printf("E %d kl_lock_new\n", rc);
+		kl_provider_free(p);
+		return 3;
+	}
+	if ((rc = kl_lock_acquire(l, NULL, &lease, &err)) != KL_OK) {
+		printf("E %d %s\n", rc, err.message);
+		kl_lock_free(l);
+		kl_provider_free(p);
+		return 3;
+	}
+	if (hold) {
+		printf("G %" PRIu64 "\n", kl_lease_fence(lease));
+		/* Held until the test says so or goes away. */
+		while (read(STDIN_FILENO, buf, sizeof buf) < 0 && errno == EINTR)
+			;
+	} else if (append_line(argv[4], argv[5]) != 0) {
+		rc = 4;
+	}
+	kl_lease_release(lease);
+	if (hold)
+		printf("R\n");
+	kl_lock_free(l);
+	kl_provider_free(p);
+	return rc;
+}

@@ -1,0 +1,947 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * keylock(1): runs a command while holding a key of a provider (local:,
+ * redis://, postgresql://), like flock(1) or `etcdctl lock`, and reports the
+ * keys' state with `keylock status`.
+ *
+ * Threads and signals.  SIGTERM, SIGHUP and SIGINT are blocked in main()
+ * before anything else runs, so every thread the library may start inherits
+ * the mask, and one thread (sig_main) takes them with sigwait.  What it does
+ * with a signal depends on the phase, which it reads under sigs.mu:
+ *   WAIT  the lock is being acquired: it fires the cancel token of the
+ *         kl_call, the wait leaves the queue with KL_ECANCELED, and keylock
+ *         dies of that signal (exit status 128+N);
+ *   IDLE  acquired, no command yet: it records the signal; the command is
+ *         not started, the key is released, keylock dies of the signal;
+ *   RUN   it sends the signal to the command;
+ *   DONE  the command has exited: nothing changes the exit status any more.
+ * The command is waited for with WNOWAIT first and marked DONE before it is
+ * reaped, so a signal is never sent to a pid that may have been reused.
+ *
+ * The command is started with fork and execve.  execvp is not async-signal-
+ * safe (it may allocate), and the child of a threaded process may only call
+ * such functions, so the PATH search, the environment and the argv for a
+ * script without "#!" are all built before the fork; the child restores the
+ * signal mask, tries the candidates as execvp would, and on failure writes
+ * errno to a close-on-exec pipe, which is how the parent tells 126 from 127.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <getopt.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/resource.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "keylock.h"
+
+#define PROG "keylock"
+
+/* Exit statuses: sysexits(3) values, as flock(1) uses them, and the shell's
+ * for a command that could not be run. */
+#define EXIT_USAGE 64        /* EX_USAGE */
+#define EXIT_UNAVAILABLE 69  /* EX_UNAVAILABLE: the provider failed */
+#define EXIT_SOFTWARE 70     /* EX_SOFTWARE: an unexpected library status */
+#define EXIT_OSERR 71        /* EX_OSERR: fork, pipe or memory failed */
+#define EXIT_NOT_ACQUIRED 75 /* EX_TEMPFAIL */
+#define EXIT_CANNOT_INVOKE 126
+#define EXIT_ENOENT 127
+
+#define SHOWN_MAX 72 /* bytes of a key or scheme shown in a message */
+
+extern char **environ;
+
+struct options {
+	const char *provider; /* the URI; never printed, only its scheme */
+	int64_t wait_ms;      /* KL_FOREVER, 0 = try once */
+	int64_t ttl_ms;       /* 0 = the provider's default */
+	int conflict_exit;
+	bool quiet;
+	bool verbose;
+	bool status;   /* `keylock status [KEY]` */
+	const char *key;      /* NULL only for a status of every key */
+	char **command;       /* NULL-terminated tail of argv */
+};
+
+/* ------------------------------------------------------------------ */
+/* Messages                                                            */
+
+static void
+usage(void)
+{
+	fputs("Usage:\n"
+	      " " PROG " [options] KEY -- COMMAND [ARG...]\n"
+	      " " PROG " [options] status [KEY]\n"
+	      "\n"
+	      "Run COMMAND while holding the lock KEY; processes waiting for "
+	      "one key\n"
+	      "get it in the order they asked.\n"
+	      "\n"
+	      "Options:\n"
+	      " -p, --provider URI          where the locks live: local:[DIR]"
+	      " (default),\n"
+	      "                               redis://..., postgresql://...\n"
+	      " -w, --wait DURATION         give up after DURATION (default:"
+	      " forever);\n"
+	      "                               0 tries once\n"
+	      " -n, --nonblock              the same as --wait 0\n"
+	      " -t, --ttl DURATION          lease time, for providers with "
+	      "leases\n"
+	      " -E, --conflict-exit-code N  exit status when KEY is not "
+	      "acquired\n"
+	      "                               (0 to 255, default 75)\n"
+	      " -q, --quiet                 do not report a KEY not acquired\n"
+	      " -v, --verbose               report waited and held times\n"
+	      " -h, --help                  display this help and exit\n"
+	      " -V, --version               display the version and exit\n"
+	      "\n"
+	      "DURATION is seconds (\"5\", \"1.5\") or a number with a unit "
+	      "(250ms, 5s,\n"
+	      "1.5m, 2h, 1d), or \"forever\".\n"
+	      "\n"
+	      "Exit status: the command's; 75 (or -E's) KEY not acquired; 64 "
+	      "usage\n"
+	      "error; 69 provider unavailable; 70 internal error; 71 system "
+	      "error;\n"
+	      "126 COMMAND not executable; 127 COMMAND not found; 128+N "
+	      "COMMAND\n"
+	      "killed by signal N.\n"
+	      "\n"
+	      "For more details see keylock(1).\n",
+	      stdout);
+}
+
+static void
+usage_error(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs(PROG ": ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputs("\nTry '" PROG " --help' for more information.\n", stderr);
+	exit(EXIT_USAGE);
+}
+
+static void
+note(const char *fmt, ...)
+{
+	va_list ap;
+
+	fputs(PROG ": ", stderr);
+	va_start(ap, fmt);
+	vfprintf(stderr, fmt, ap);
+	va_end(ap);
+	fputc('\n', stderr);
+}
+
+/* s made fit for a message: control and non-ASCII bytes become '?', long
+ * text is cut with "...". */
+static const char *
+shown(char *buf, size_t size, const char *s)
+{
+	size_t i, n = 0;
+
+	for (i = 0; s[i] != '\0' && n + 4 < size; i++) {
+		unsigned char ch = (unsigned char)s[i];
+
+		buf[n++] = ch >= 0x20 && ch < 0x7f ? (char)ch : '?';
+	}
+	if (s[i] != '\0') {
+		memcpy(buf + n, "...", 3);
+		n += 3;
+	}
+	buf[n] = '\0';
+	return buf;
+}
+
+/* The scheme of uri ("redis" of "redis://u:p@h"): the only part of a URI
+ * keylock prints, since the rest may hold a password.  "?" when uri does not
+ * start with a scheme. */
+static const char *
+uri_scheme(char *buf, size_t size, const char *uri)
+{
+	static const char chars[] = "abcdefghijklmnopqrstuvwxyz"
+				    "ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789+-.";
+	size_t n = strspn(uri, chars);
+
+	if (n == 0 || uri[n] != ':' || n >= size)
+		n = 0;
+	memcpy(buf, uri, n);
+	buf[n] = '\0';
+	return n > 0 ? buf : "?";
+}
+
+/* "250 ms", "5 s", "1.5 s". */
+static const char *
+format_ms(char *buf, size_t size, int64_t ms)
+{
+	int64_t frac = ms % 1000;
+	int digits = 3;
+
+	if (ms < 1000) {
+		snprintf(buf, size, "%" PRId64 " ms", ms);
+		return buf;
+	}
+	if (frac == 0) {
+		snprintf(buf, size, "%" PRId64 " s", ms / 1000);
+		return buf;
+	}
+	for (; frac % 10 == 0; frac /= 10)
+		digits--;
+	snprintf(buf, size, "%" PRId64 ".%0*" PRId64 " s", ms / 1000, digits,
+		 frac);
+	return buf;
+}
+
+/* ------------------------------------------------------------------ */
+/* Options                                                             */
+
+/* A DURATION option: as kl_duration_parse reads it, except that a bare
+ * number is seconds, as in flock(1) and timeout(1). */
+static int64_t
+parse_duration(const char *option, const char *text, bool forever_ok)
+{
+	char buf[SHOWN_MAX];
+	size_t len = strlen(text);
+	char *with_unit = NULL;
+	int64_t ms;
+	int rc;
+
+	if (len > 0 && strspn(text, "0123456789.") == len) {
+		if ((with_unit = malloc(len + 2)) == NULL) {
+			note("out of memory");
+			exit(EXIT_OSERR);
+		}
+		memcpy(with_unit, text, len);
+		memcpy(with_unit + len, "s", 2);
+	}
+	rc = kl_duration_parse(with_unit != NULL ? with_unit : text, &ms);
+	free(with_unit);
+	if (rc != KL_OK || (ms == KL_FOREVER && !forever_ok))
+		usage_error("invalid %s '%s' (a number of seconds, or a number "
+			    "with a unit: 250ms, 5s, 1.5m, 2h, 1d%s)",
+			    option, shown(buf, sizeof buf, text),
+			    forever_ok ? ", or forever" : "");
+	return ms;
+}
+
+static int
+parse_exit_code(const char *text)
+{
+	char buf[SHOWN_MAX];
+	char *end;
+	long n;
+
+	errno = 0;
+	n = strtol(text, &end, 10);
+	if (text[0] < '0' || text[0] > '9' || *end != '\0' || errno != 0 ||
+	    n > 255)
+		usage_error("invalid exit code '%s' (0 to 255)",
+			    shown(buf, sizeof buf, text));
+	return (int)n;
+}
+
+static void
+parse_args(int argc, char **argv, struct options *o)
+{
+	static const struct option longopts[] = {
+		{ "provider", required_argument, NULL, 'p' },
+		{ "wait", required_argument, NULL, 'w' },
+		{ "nonblock", no_argument, NULL, 'n' },
+		{ "ttl", required_argument, NULL, 't' },
+		{ "conflict-exit-code", required_argument, NULL, 'E' },
+		{ "quiet", no_argument, NULL, 'q' },
+		{ "verbose", no_argument, NULL, 'v' },
+		{ "help", no_argument, NULL, 'h' },
+		{ "version", no_argument, NULL, 'V' },
+		{ NULL, 0, NULL, 0 },
+	};
+	char buf[SHOWN_MAX], scheme[16];
+	char **rest;
+	int c, n;
+
+	o->provider = "local:";
+	o->wait_ms = KL_FOREVER;
+	o->ttl_ms = 0;
+	o->conflict_exit = EXIT_NOT_ACQUIRED;
+	/* getopt names the program by argv[0] in its messages; the libtool
+	 * wrapper of the build tree runs it as lt-keylock. */
+	argv[0] = (char *)PROG;
+	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhV", longopts,
+				NULL)) != -1) {
+		switch (c) {
+		case 'p':
+			o->provider = optarg;
+			break;
+		case 'w':
+			o->wait_ms = parse_duration("wait", optarg, true);
+			break;
+		case 'n':
+			o->wait_ms = 0;
+			break;
+		case 't':
+			o->ttl_ms = parse_duration("ttl", optarg, false);
+			break;
+		case 'E':
+			o->conflict_exit = parse_exit_code(optarg);
+			break;
+		case 'q':
+			o->quiet = true;
+			break;
+		case 'v':
+			o->verbose = true;
+			break;
+		case 'h':
+			usage();
+			exit(EXIT_SUCCESS);
+		case 'V':
+			printf(PROG " %s (libkeylock %s)\n", PACKAGE_VERSION,
+			       kl_version());
+			exit(EXIT_SUCCESS);
+		default: /* getopt has said what is wrong */
+			fputs("Try '" PROG " --help' for more information.\n",
+			      stderr);
+			exit(EXIT_USAGE);
+		}
+	}
+
+	/* A memory: lock means nothing outside this process. */
+	uri_scheme(scheme, sizeof scheme, o->provider);
+	if (strcasecmp(scheme, "memory") == 0)
+		usage_error("the memory: provider locks within one process "
+			    "only; use local: to lock across processes");
+
+	rest = argv + optind;
+	n = argc - optind;
+	if (n == 0)
+		usage_error("no KEY given");
+	if (n >= 2 && strcmp(rest[1], "--") == 0) {
+		o->key = rest[0];
+		o->command = rest + 2;
+		if (n == 2)
+			usage_error("no COMMAND given after '--'");
+	} else if (strcmp(rest[0], "status") == 0) {
+		o->status = true;
+		if (n > 2)
+			usage_error("unexpected argument '%s' after KEY",
+				    shown(buf, sizeof buf, rest[2]));
+		o->key = n == 2 ? rest[1] : NULL;
+	} else if (n == 1) {
+		usage_error("no COMMAND given (" PROG " KEY -- COMMAND)");
+	} else {
+		usage_error("'--' expected after KEY, found '%s' (options go "
+			    "before KEY)",
+			    shown(buf, sizeof buf, rest[1]));
+	}
+	if (o->key != NULL && o->key[0] == '\0')
+		usage_error("the KEY is empty");
+}
+
+/* ------------------------------------------------------------------ */
+/* Provider                                                            */
+
+/* Opens the provider of o or exits: 64 for a URI the library cannot read,
+ * 69 when the provider cannot be reached. */
+static kl_provider *
+open_provider(const struct options *o)
+{
+	kl_provider *p;
+	kl_error err = { 0 };
+	char scheme[16];
+	int rc;
+
+	rc = kl_provider_open(&p, o->provider, &err);
+	if (rc == KL_OK)
+		return p;
+	uri_scheme(scheme, sizeof scheme, o->provider);
+	if (err.message[0] == '\0')
+		snprintf(err.message, sizeof err.message, "%s",
+			 kl_strerror(rc));
+	if (rc == KL_EINVAL)
+		usage_error("provider '%s:': %s", scheme, err.message);
+	note("provider '%s:': %s", scheme, err.message);
+	exit(rc == KL_ENOMEM ? EXIT_OSERR : EXIT_UNAVAILABLE);
+}
+
+/* The exit status for a failure of the library other than not acquired. */
+static int
+failure_exit(int rc)
+{
+	switch (rc) {
+	case KL_EPROVIDER:
+		return EXIT_UNAVAILABLE;
+	case KL_ENOMEM:
+		return EXIT_OSERR;
+	default:
+		return EXIT_SOFTWARE;
+	}
+}
+
+/* `keylock status [KEY]`: one "name: value" line each, "unknown" for what
+ * the provider cannot tell.  There is no call to list the keys yet. */
+static int
+run_status(const struct options *o)
+{
+	char buf[SHOWN_MAX], scheme[16];
+	kl_provider *p = open_provider(o);
+	kl_error err = { 0 };
+	size_t holders, waiters;
+	int rc = KL_OK;
+
+	if (o->key != NULL)
+		rc = kl_provider_status(p, o->key, &holders, &waiters, &err);
+	if (rc != KL_OK) {
+		note("%s", err.message[0] != '\0' ? err.message
+						   : kl_strerror(rc));
+		kl_provider_free(p);
+		return failure_exit(rc);
+	}
+	printf("provider: %s\n",
+	       uri_scheme(scheme, sizeof scheme, o->provider));
+	if (o->key != NULL) {
+		printf("key: %s\n", shown(buf, sizeof buf, o->key));
+		printf("holders: %zu\n", holders);
+		printf("queue: %zu\n", waiters);
+	} else {
+		printf("keys: unknown\n");
+	}
+	kl_provider_free(p);
+	return fflush(stdout) == 0 ? EXIT_SUCCESS : EXIT_OSERR;
+}
+
+/* ------------------------------------------------------------------ */
+/* Signals                                                             */
+
+enum phase { PHASE_WAIT, PHASE_IDLE, PHASE_RUN, PHASE_DONE };
+
+static struct {
+	pthread_mutex_t mu;
+	sigset_t set;      /* the signals handled, blocked in every thread */
+	sigset_t old_mask; /* the mask keylock started with, for the command */
+	enum phase phase;
+	kl_cancel *cancel; /* fired in PHASE_WAIT */
+	pid_t child;       /* valid in PHASE_RUN */
+	int pending;       /* first signal before the command ran, or 0 */
+} sigs = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+/* Waits for one of sigs.set; *from_tty is set when the terminal sent it to
+ * the whole foreground process group, so the command already has it. */
+static int
+wait_signal(bool *from_tty)
+{
+#ifdef SI_KERNEL
+	siginfo_t si;
+	int sig;
+
+	while ((sig = sigwaitinfo(&sigs.set, &si)) < 0)
+		;
+	*from_tty = si.si_code == SI_KERNEL;
+	return sig;
+#else
+	int sig;
+
+	while (sigwait(&sigs.set, &sig) != 0)
+		;
+	*from_tty = false;
+	return sig;
+#endif
+}
+
+static void *
+sig_main(void *arg)
+{
+	bool from_tty;
+	int sig;
+
+	for (;;) {
+		sig = wait_signal(&from_tty);
+		pthread_mutex_lock(&sigs.mu);
+		switch (sigs.phase) {
+		case PHASE_WAIT:
+			if (sigs.pending == 0)
+				sigs.pending = sig;
+			kl_cancel_fire(sigs.cancel);
+			break;
+		case PHASE_IDLE:
+			if (sigs.pending == 0)
+				sigs.pending = sig;
+			break;
+		case PHASE_RUN:
+			if (!from_tty)
+				kill(sigs.child, sig);
+			break;
+		case PHASE_DONE:
+			break;
+		}
+		pthread_mutex_unlock(&sigs.mu);
+	}
+	return NULL;
+}
+
+/* Blocks the handled signals in this thread, so in every thread started
+ * later.  A signal ignored when keylock started stays ignored (as nohup(1)
+ * or a shell's background job set it), for keylock and the command. */
+static void
+block_signals(void)
+{
+	static const int handled[] = { SIGTERM, SIGHUP, SIGINT };
+	struct sigaction sa;
+	size_t i;
+
+	sigemptyset(&sigs.set);
+	for (i = 0; i < sizeof handled / sizeof handled[0]; i++)
+		if (sigaction(handled[i], NULL, &sa) == 0 &&
+		    sa.sa_handler != SIG_IGN)
+			sigaddset(&sigs.set, handled[i]);
+	pthread_sigmask(SIG_BLOCK, &sigs.set, &sigs.old_mask);
+}
+
+/* Ends keylock the way a signal would, so that the shell sees it (as
+ * timeout(1) does); exits 128+sig where that is not possible.  Our own core
+ * dump is prevented first: the command's is the one that matters. */
+static void
+exit_by_signal(int sig)
+{
+	struct rlimit no_core = { 0, 0 };
+	struct sigaction sa;
+	sigset_t set;
+
+	fflush(NULL);
+	if (setrlimit(RLIMIT_CORE, &no_core) == 0) {
+		memset(&sa, 0, sizeof sa);
+		sa.sa_handler = SIG_DFL;
+		sigemptyset(&sa.sa_mask);
+		sigaction(sig, &sa, NULL);
+		sigemptyset(&set);
+		sigaddset(&set, sig);
+		pthread_sigmask(SIG_UNBLOCK, &set, NULL);
+		raise(sig);
+	}
+	exit(128 + sig);
+}
+
+/* ------------------------------------------------------------------ */
+/* The command                                                         */
+
+/* Everything the child needs, built before the fork. */
+struct command {
+	char **argv;
+	char **envp;      /* environ with KEYLOCK_KEY and KEYLOCK_FENCE */
+	char *env_key;    /* the two strings envp adds */
+	char *env_fence;
+	char **paths;     /* execvp's candidates, in its order */
+	size_t npaths;
+	char **sh_argv;   /* /bin/sh PATH ARG..., for ENOEXEC */
+};
+
+static void
+command_free(struct command *c)
+{
+	size_t i;
+
+	for (i = 0; i < c->npaths; i++)
+		free(c->paths[i]);
+	free(c->paths);
+	free(c->sh_argv);
+	free(c->envp);
+	free(c->env_key);
+	free(c->env_fence);
+}
+
+static char *
+concat(const char *a, const char *b, const char *c)
+{
+	size_t la = strlen(a), lb = strlen(b), lc = strlen(c);
+	char *s = malloc(la + lb + lc + 1);
+
+	if (s != NULL) {
+		memcpy(s, a, la);
+		memcpy(s + la, b, lb);
+		memcpy(s + la + lb, c, lc + 1);
+	}
+	return s;
+}
+
+static bool
+has_name(const char *entry, const char *name)
+{
+	size_t n = strlen(name);
+
+	return strncmp(entry, name, n) == 0 && entry[n] == '=';
+}
+
+static int
+build_env(struct command *c, const char *key, uint64_t fence)
+{
+	char num[24];
+	size_t i, n = 0, count = 0;
+
+	snprintf(num, sizeof num, "%" PRIu64, fence);
+	c->env_key = concat("KEYLOCK_KEY", "=", key);
+	c->env_fence = concat("KEYLOCK_FENCE", "=", num);
+	while (environ != NULL && environ[count] != NULL)
+		count++;
+	c->envp = calloc(count + 3, sizeof *c->envp);
+	if (c->env_key == NULL || c->env_fence == NULL || c->envp == NULL)
+		return -1;
+	for (i = 0; i < count; i++)
+		if (!has_name(environ[i], "KEYLOCK_KEY") &&
+		    !has_name(environ[i], "KEYLOCK_FENCE"))
+			c->envp[n++] = environ[i];
+	c->envp[n++] = c->env_key;
+	c->envp[n++] = c->env_fence;
+	c->envp[n] = NULL;
+	return 0;
+}
+
+/* The files execvp would try for file, in order: file itself when it has a
+ * '/', else each directory of PATH (an empty one is the current directory;
+ * no PATH is confstr's default path). */
+static int
+build_paths(struct command *c, const char *file)
+{
+	const char *path = getenv("PATH"), *p, *end;
+	char *deflt = NULL;
+	size_t n, max = 1;
+	int rc = 0;
+
+	if (strchr(file, '/') != NULL) {
+		if ((c->paths = calloc(1, sizeof *c->paths)) == NULL ||
+		    (c->paths[0] = strdup(file)) == NULL)
+			return -1;
+		c->npaths = 1;
+		return 0;
+	}
+	if (file[0] == '\0')
+		return 0; /* ENOENT, as execvp */
+	if (path == NULL) {
+		n = confstr(_CS_PATH, NULL, 0);
+		if (n == 0 || (deflt = malloc(n)) == NULL)
+			return -1;
+		confstr(_CS_PATH, deflt, n);
+		path = deflt;
+	}
+	for (p = path; *p != '\0'; p++)
+		max += *p == ':';
+	if ((c->paths = calloc(max, sizeof *c->paths)) == NULL) {
+		free(deflt);
+		return -1;
+	}
+	for (p = path;; p = end + 1) {
+		char *dir;
+
+		end = strchr(p, ':');
+		if (end == NULL)
+			end = p + strlen(p);
+		n = (size_t)(end - p);
+		if ((dir = n > 0 ? strndup(p, n) : strdup(".")) == NULL ||
+		    (c->paths[c->npaths] = concat(dir, "/", file)) == NULL) {
+			free(dir);
+			rc = -1;
+			break;
+		}
+		free(dir);
+		c->npaths++;
+		if (*end == '\0')
+			break;
+	}
+	free(deflt);
+	return rc;
+}
+
+static int
+command_init(struct command *c, char **argv, const char *key,
+	     uint64_t fence)
+{
+	size_t argc = 0;
+
+	memset(c, 0, sizeof *c);
+	c->argv = argv;
+	while (argv[argc] != NULL)
+		argc++;
+	/* "/bin/sh" PATH ARG[1]... NULL */
+	if ((c->sh_argv = calloc(argc + 2, sizeof *c->sh_argv)) == NULL)
+		return -1;
+	c->sh_argv[0] = (char *)"/bin/sh";
+	memcpy(c->sh_argv + 2, argv + 1, argc * sizeof *argv);
+	if (build_env(c, key, fence) != 0 || build_paths(c, argv[0]) != 0)
+		return -1;
+	return 0;
+}
+
+/* In the child of fork: async-signal-safe calls only.  Tries the candidates
+ * as execvp does (a permission error is remembered while the search goes
+ * on; a file that is not an executable format is run by /bin/sh), then
+ * writes errno to errfd and exits. */
+static void
+child_exec(struct command *c, int errfd)
+{
+	bool eacces = false;
+	int err = ENOENT;
+	size_t i;
+
+	/* The dispositions are the ones keylock started with (it sets no
+	 * handler); only the mask changed. */
+	sigprocmask(SIG_SETMASK, &sigs.old_mask, NULL);
+	for (i = 0; i < c->npaths; i++) {
+		execve(c->paths[i], c->argv, c->envp);
+		err = errno;
+		if (err == ENOEXEC) {
+			c->sh_argv[1] = c->paths[i];
+			execve("/bin/sh", c->sh_argv, c->envp);
+			err = errno;
+			break;
+		}
+		if (err == EACCES) {
+			eacces = true;
+			continue;
+		}
+		if (err != ENOENT && err != ENOTDIR && err != ENODEV &&
+		    err != ETIMEDOUT
+#ifdef ESTALE
+		    && err != ESTALE
+#endif
+		)
+			break;
+	}
+	if (i == c->npaths && eacces)
+		err = EACCES;
+	while (write(errfd, &err, sizeof err) < 0 && errno == EINTR)
+		;
+	_exit(err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE);
+}
+
+/* Runs the command and returns its exit status; *sig is set when it died
+ * of a signal or was never started because keylock got one.  The caller
+ * holds the key and releases it afterwards. */
+static int
+run_command(struct command *c, int *sig)
+{
+	char buf[SHOWN_MAX];
+	siginfo_t info;
+	int fds[2], err, status;
+	ssize_t n;
+	pid_t pid;
+
+	*sig = 0;
+	if (pipe(fds) != 0) {
+		note("cannot create a pipe: %s", strerror(errno));
+		return EXIT_OSERR;
+	}
+	/* No other thread forks, so nothing can inherit the pipe between
+	 * pipe() and these. */
+	fcntl(fds[0], F_SETFD, FD_CLOEXEC);
+	fcntl(fds[1], F_SETFD, FD_CLOEXEC);
+
+	/* The fork happens under sigs.mu, so a signal is either seen before
+	 * (the command does not start) or forwarded to the child. */
+	pthread_mutex_lock(&sigs.mu);
+	if (sigs.pending != 0) {
+		*sig = sigs.pending;
+		sigs.phase = PHASE_DONE;
+		pthread_mutex_unlock(&sigs.mu);
+		close(fds[0]);
+		close(fds[1]);
+		return 128 + *sig;
+	}
+	pid = fork();
+	err = errno;
+	if (pid == 0)
+		child_exec(c, fds[1]);
+	if (pid > 0) {
+		sigs.child = pid;
+		sigs.phase = PHASE_RUN;
+	}
+	pthread_mutex_unlock(&sigs.mu);
+	close(fds[1]);
+	if (pid < 0) {
+		close(fds[0]);
+		note("cannot fork: %s", strerror(err));
+		return EXIT_OSERR;
+	}
+
+	while ((n = read(fds[0], &err, sizeof err)) < 0 && errno == EINTR)
+		;
+	close(fds[0]);
+
+	while (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) != 0 &&
+	       errno == EINTR)
+		;
+	pthread_mutex_lock(&sigs.mu);
+	sigs.phase = PHASE_DONE;
+	pthread_mutex_unlock(&sigs.mu);
+	while (waitpid(pid, &status, 0) < 0)
+		if (errno != EINTR) {
+			note("cannot wait for the command: %s",
+			      strerror(errno));
+			return EXIT_OSERR;
+		}
+
+	if (n == (ssize_t)sizeof err) {
+		note("failed to execute '%s': %s",
+		      shown(buf, sizeof buf, c->argv[0]), strerror(err));
+		return err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE;
+	}
+	if (WIFSIGNALED(status)) {
+		*sig = WTERMSIG(status);
+		return 128 + *sig;
+	}
+	return WEXITSTATUS(status);
+}
+
+/* ------------------------------------------------------------------ */
+/* Locking                                                             */
+
+struct report {
+	const struct options *o;
+	int64_t waited_ms;
+	int64_t held_ms;
+	int release_status; /* KL_OK, or why releasing failed */
+};
+
+/* Raised in the thread that acquires or releases, or for a lost lease in
+ * whichever thread noticed: only the loss is printed here. */
+static void
+on_event(const kl_event *ev, void *arg)
+{
+	struct report *r = arg;
+	char buf[SHOWN_MAX];
+
+	switch (ev->type) {
+	case KL_EV_ACQUIRED:
+		r->waited_ms = ev->waited_ms;
+		break;
+	case KL_EV_RELEASED:
+		r->held_ms = ev->held_ms;
+		break;
+	case KL_EV_RELEASE_FAILED:
+		r->held_ms = ev->held_ms;
+		r->release_status = ev->status;
+		break;
+	case KL_EV_LOST:
+		note("warning: the lease on '%s' was lost while the command "
+		      "ran",
+		      shown(buf, sizeof buf, r->o->key));
+		break;
+	case KL_EV_REJECTED:
+		r->waited_ms = ev->waited_ms;
+		break;
+	}
+}
+
+static int
+run_locked(const struct options *o)
+{
+	char kbuf[SHOWN_MAX], tbuf[32];
+	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
+	struct report rep = { .o = o };
+	kl_error err = { 0 };
+	struct command cmd;
+	kl_call call = { 0 };
+	kl_lease *lease = NULL;
+	kl_provider *p;
+	kl_lock *lock = NULL;
+	pthread_t thread;
+	int rc, code, sig = 0;
+
+	shown(kbuf, sizeof kbuf, o->key);
+	if ((rc = kl_cancel_new(&sigs.cancel)) != KL_OK) {
+		note("%s", kl_strerror(rc));
+		return failure_exit(rc);
+	}
+	sigs.phase = PHASE_WAIT;
+	if ((rc = pthread_create(&thread, NULL, sig_main, NULL)) != 0) {
+		note("cannot start a thread: %s", strerror(rc));
+		kl_cancel_free(sigs.cancel);
+		return EXIT_OSERR;
+	}
+	pthread_detach(thread);
+
+	p = open_provider(o);
+	lo.provider = p;
+	lo.key = o->key;
+	lo.timeout_ms = o->wait_ms;
+	lo.ttl_ms = o->ttl_ms;
+	lo.on_event = on_event;
+	lo.event_arg = &rep;
+	call.cancel = sigs.cancel;
+	if ((rc = kl_lock_new(&lock, &lo)) == KL_OK)
+		rc = kl_lock_acquire(lock, &call, &lease, &err);
+
+	/* The token is not fired after this, and may be freed. */
+	pthread_mutex_lock(&sigs.mu);
+	sigs.phase = rc == KL_OK ? PHASE_IDLE : PHASE_DONE;
+	sig = sigs.pending;
+	pthread_mutex_unlock(&sigs.mu);
+
+	if (rc == KL_OK) {
+		if (o->verbose)
+			note("acquired '%s' after %" PRId64
+			      " ms (fence %" PRIu64 ")",
+			      kbuf, rep.waited_ms, kl_lease_fence(lease));
+		if (command_init(&cmd, o->command, o->key,
+				 kl_lease_fence(lease)) != 0) {
+			note("out of memory");
+			code = EXIT_OSERR;
+		} else {
+			code = run_command(&cmd, &sig);
+		}
+		command_free(&cmd);
+		kl_lease_release(lease);
+		if (rep.release_status != KL_OK)
+			note("warning: releasing '%s' failed: %s", kbuf,
+			      kl_strerror(rep.release_status));
+		else if (o->verbose)
+			note("released '%s' (held %" PRId64 " ms)", kbuf,
+			      rep.held_ms);
+	} else if (rc == KL_ECANCELED && sig != 0) {
+		code = 128 + sig;
+	} else if (rc == KL_ETIMEDOUT || rc == KL_EOVERFLOW) {
+		if (!o->quiet && rc == KL_EOVERFLOW)
+			note("%s", err.message);
+		else if (!o->quiet && o->wait_ms == 0)
+			note("'%s' not acquired: it is held", kbuf);
+		else if (!o->quiet)
+			note("'%s' not acquired within %s", kbuf,
+			      format_ms(tbuf, sizeof tbuf, o->wait_ms));
+		code = o->conflict_exit;
+	} else {
+		note("%s", err.message[0] != '\0' ? err.message
+						   : kl_strerror(rc));
+		code = failure_exit(rc);
+	}
+
+	kl_lock_free(lock);
+	kl_provider_free(p);
+	kl_cancel_free(sigs.cancel);
+	if (sig != 0)
+		exit_by_signal(sig);
+	return code;
+}
+
+int
+main(int argc, char **argv)
+{
+	struct options o = { 0 };
+
+	/* Before any thread exists: every thread inherits the mask. */
+	block_signals();
+	parse_args(argc, argv, &o);
+	if (o.status)
+		return run_status(&o);
+	return run_locked(&o);
+}
