@@ -55,12 +55,43 @@ kl__condattr(void)
 	return &condattr;
 }
 
-/* Relaxed is enough: only uniqueness matters, never ordering with other
- * memory. */
-static atomic_uint_fast64_t next_id = 1;
+/* Ids are handed to each thread in blocks so that taking one is a
+ * thread-local increment, not a shared atomic on every enter.  Relaxed is
+ * enough: only uniqueness matters, never ordering with other memory. */
+#define ID_BLOCK 1024
+
+static atomic_uint_fast64_t next_block = 1;
+static atomic_uint_fast64_t next_tid = 1;
+static _Thread_local uint64_t id_next, id_end, tid;
 
 uint64_t
 kl__next_id(void)
 {
-	return atomic_fetch_add_explicit(&next_id, 1, memory_order_relaxed);
+	if (id_next == id_end) {
+		id_next = atomic_fetch_add_explicit(&next_block, ID_BLOCK,
+						    memory_order_relaxed);
+		id_end = id_next + ID_BLOCK;
+	}
+	return id_next++;
+}
+
+uint64_t
+kl__thread_id(void)
+{
+	if (tid == 0)
+		tid = atomic_fetch_add_explicit(&next_tid, 1,
+						memory_order_relaxed);
+	return tid;
+}
+
+int64_t
+kl__coarse_now_ns(void)
+{
+#ifdef CLOCK_MONOTONIC_COARSE
+	struct timespec ts;
+
+	if (clock_gettime(CLOCK_MONOTONIC_COARSE, &ts) == 0)
+		return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+#endif
+	return kl__now_ns();
 }

@@ -62,20 +62,27 @@ KL_HIDDEN int kl__check_timeout(int64_t timeout_ms);
 KL_HIDDEN const pthread_condattr_t *kl__condattr(void);
 /* A unique, never reused, nonzero id (tokens, leases). */
 KL_HIDDEN uint64_t kl__next_id(void);
+/* A nonzero id of the calling thread, unique in the process. */
+KL_HIDDEN uint64_t kl__thread_id(void);
+/* CLOCK_MONOTONIC_COARSE nanoseconds: a few ms of resolution, a fraction of
+ * the cost; for times only reported in milliseconds. */
+KL_HIDDEN int64_t kl__coarse_now_ns(void);
 
 /* ------------------------------------------------------------------ */
 /* waitq.c: the FIFO queue of parked threads.
  *
  * A waitq does not own a lock: every call below is made with the caller's
- * lock held (q->lock), the same lock the waiter sleeps on.  kl_mutex and
- * kl_reset_event use a lock of their own; the key table uses its shard lock
- * for all queues of the shard, so that an entry's fate (free it or not) is
- * decided under the same lock as the hand-off.
+ * lock held (q->lock).  kl_mutex and kl_reset_event use a lock of their own;
+ * the key table uses its shard lock for all queues of the shard, so that an
+ * entry's fate (free it or not) is decided under the same lock as the
+ * hand-off.
  *
- * Each waiter lives on its waiting thread's stack and has its own condvar.
- * Its state moves once from WAITING to a final state, always under q->lock;
- * whoever makes that move (granter, timer, canceller, evictor) decides the
- * outcome, so a grant racing a timeout or cancel ends in exactly one of them.
+ * Each waiter lives on its waiting thread's stack and parks on a word of its
+ * own (a futex on Linux).  Its state moves once from WAITING to a final
+ * state, always under q->lock; whoever makes that move (granter, timer,
+ * canceller, evictor) decides the outcome, so a grant racing a timeout or
+ * cancel ends in exactly one of them.  The outcome is then published in the
+ * word, and the waiter reads it without taking the lock again.
  */
 
 enum kl__wstate {
@@ -92,15 +99,16 @@ struct kl__waiter {
 	struct kl__waiter *next, *prev; /* queue links */
 	struct kl__waitq *q;            /* valid while WAITING */
 	pthread_mutex_t *lock;          /* the queue's lock */
-	pthread_cond_t cond;
-	int state;  /* enum kl__wstate */
-	int status; /* with KL_W_DONE */
+	atomic_uint word;  /* 0 awake, 2 parked, 1 outcome published */
+	int state;         /* enum kl__wstate */
+	int status;        /* with KL_W_DONE */
+	bool spin;         /* may spin before parking */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
 	/* Registration on a cancel token (see cancel.c). */
 	struct kl_cancel *cancel;
 	struct kl__waiter *cnext, *cprev;
-	pthread_t self;   /* the waiting thread (error-check mode) */
-	uint64_t data;    /* for the queue's user: token id, fence */
+	uint64_t tid;  /* kl__thread_id() of the waiting thread */
+	uint64_t data; /* for the queue's user: token id, fence */
 };
 
 struct kl__waitq {
@@ -111,34 +119,40 @@ struct kl__waitq {
 
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
 
-/* Parks w at the tail and waits, lock held on entry and on return.  The
- * caller must have called kl__waiter_prepare(w, ...) first (before taking
- * the lock, since it may register on the cancel token).  max_queue and
- * overflow decide what happens when the queue is full.  Returns KL_OK when
- * granted (by kl__waitq_grant_head), else KL_ETIMEDOUT, KL_ECANCELED,
- * KL_EOVERFLOW, or the status given to kl__waitq_fail_*.  The waiter is out
- * of the queue on return.  Not a cancellation point.  The caller must call
- * kl__waiter_finish(w) after dropping the lock. */
+/* Queues w at the tail and waits: lock held on entry, RELEASED on return.
+ * The caller must have called kl__waiter_prepare(w, ...) first (before
+ * taking the lock when it has a cancel token).  max_queue and overflow
+ * decide what happens when the queue is full.  Returns KL_OK when granted
+ * (by kl__waitq_grant_head), else KL_ETIMEDOUT, KL_ECANCELED, KL_EOVERFLOW,
+ * or the status given to kl__waiter_fail.  The waiter is out of the queue
+ * on return and its data is as the granter left it.  Not a cancellation
+ * point, never interrupted by signals.  The caller must then call
+ * kl__waiter_finish(w). */
 KL_HIDDEN int kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			     int64_t deadline_ns, size_t max_queue,
 			     kl_overflow overflow);
-/* Registers w on c (may be NULL) and initialises its condvar.  With c, call
- * without the queue lock (the cancel lock comes first in the lock order);
- * with NULL c it may be called with the lock held.  KL_ECANCELED when c has
- * fired already (nothing to finish then). */
+/* Readies w and registers it on c (may be NULL).  With c, call without the
+ * queue lock (the cancel lock comes first in the lock order); with NULL c it
+ * may be called with the lock held.  KL_ECANCELED when c has fired already
+ * (nothing to finish then). */
 KL_HIDDEN int kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 				 struct kl_cancel *c);
-/* Unregisters w from its cancel token and destroys its condvar.  Call
- * without the queue lock. */
+/* Unregisters w from its cancel token.  Call without the queue lock. */
 KL_HIDDEN void kl__waiter_finish(struct kl__waiter *w);
 
-/* Grants the head waiter (moves it to GRANTED and wakes it) and returns it,
- * or NULL when the queue is empty.  Waiters whose deadline or cancel token's
+/* Takes the head waiter out of the queue as GRANTED and returns it, or NULL
+ * when the queue is empty.  Waiters whose deadline or cancel token's
  * deadline has passed are failed on the way instead of granted.  The caller
- * may read and write the waiter's data until it drops the lock. */
+ * may set the waiter's data, then must call kl__waiter_settle(w) before it
+ * drops the lock and kl__unpark() with its result after. */
 KL_HIDDEN struct kl__waiter *kl__waitq_grant_head(struct kl__waitq *q);
+/* Publishes w's outcome to it.  Lock held.  Returns what kl__unpark needs
+ * to wake it (NULL when it is not parked), to be called after the lock is
+ * dropped: waking outside the lock spares the woken thread a collision. */
+KL_HIDDEN void *kl__waiter_settle(struct kl__waiter *w);
+KL_HIDDEN void kl__unpark(void *wake);
 /* Ends w with status unless it already has an outcome: out of the queue if
- * queued, woken.  Lock held. */
+ * queued, woken at once.  Lock held. */
 KL_HIDDEN void kl__waiter_fail(struct kl__waiter *w, int status);
 /* Ends every waiter with status. */
 KL_HIDDEN void kl__waitq_fail_all(struct kl__waitq *q, int status);

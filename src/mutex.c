@@ -2,11 +2,18 @@
 /*
  * kl_mutex (AsyncLock): one lock owned by a token, over a wait queue.
  *
- * m->lock guards everything in the struct.  The owner is the id of the
- * holding token (0: free).  Leaving hands the mutex straight to the head
- * waiter by writing its token id into m->owner before the waiter wakes, so
- * a newcomer can never take a mutex that has waiters (no barging), and
- * try_enter fails whenever anyone waits.
+ * m->state holds the owner's token id shifted left by one (0: free) and, in
+ * bit 0, "someone may be queued".  Without that bit, enter and leave are one
+ * compare-and-swap each and never touch m->lock.  A thread that must queue
+ * sets the bit under m->lock before it queues, so a holder that leaves
+ * afterwards fails its fast-path CAS and takes the slow path, where it hands
+ * the mutex straight to the head waiter by writing that waiter's id into
+ * m->state.  The state is therefore never 0 while anyone waits: a newcomer
+ * cannot barge, and try_enter fails whenever anyone waits.  A stale bit (its
+ * waiters timed out) only sends one leave down the slow path, which clears
+ * it.
+ *
+ * m->lock guards the queue and the options.
  */
 #include "config.h"
 
@@ -14,11 +21,13 @@
 
 #include "internal.h"
 
+#define QUEUED 1u
+
 struct kl_mutex {
+	_Atomic uint64_t state;
 	pthread_mutex_t lock;
+	uint64_t owner_tid; /* KL_ERRORCHECK: the holding thread, under lock */
 	struct kl__waitq q;
-	uint64_t owner;
-	pthread_t owner_thread;
 	kl_queue_opts opts;
 };
 
@@ -70,6 +79,7 @@ kl_mutex_new(kl_mutex **out, const kl_queue_opts *opts)
 		return KL_EINVAL;
 	if ((m = kl__calloc(1, sizeof *m)) == NULL)
 		return KL_ENOMEM;
+	atomic_init(&m->state, 0);
 	pthread_mutex_init(&m->lock, NULL);
 	kl__waitq_init(&m->q, &m->lock);
 	m->opts = o;
@@ -83,7 +93,7 @@ kl_mutex_free(kl_mutex *m)
 	if (m == NULL)
 		return;
 #ifdef KL_DEBUG
-	if (m->owner != 0 || m->q.len != 0)
+	if (atomic_load(&m->state) != 0 || m->q.len != 0)
 		fprintf(stderr, "keylock: kl_mutex_free: mutex %s\n",
 			m->q.len != 0 ? "has waiters" : "is held");
 #endif
@@ -91,26 +101,62 @@ kl_mutex_free(kl_mutex *m)
 	kl__free(m);
 }
 
-/* Takes a free mutex that nobody waits for.  Lock held. */
-static int
-take(kl_mutex *m, uint64_t id, pthread_t self)
+/* The error-check flag is read without the lock: it only changes through
+ * kl_mutex_set_opts, and a caller racing that with its own enter cannot
+ * expect either answer.  Relaxed atomics keep the read defined.  An
+ * error-check mutex always takes the lock, so that the holding thread is
+ * recorded together with the owner. */
+static bool
+errorcheck(kl_mutex *m)
 {
-	if (m->owner == 0 && m->q.len == 0) {
-		m->owner = id;
-		m->owner_thread = self;
-		return KL_OK;
+	return __atomic_load_n(&m->opts.flags, __ATOMIC_RELAXED) &
+	       KL_ERRORCHECK;
+}
+
+/* One attempt to take a free mutex.  Acquire order pairs with the release
+ * of the leave that freed it. */
+static bool
+try_take(kl_mutex *m, uint64_t id)
+{
+	uint64_t expected = 0;
+
+	return atomic_compare_exchange_strong_explicit(&m->state, &expected,
+						       id << 1,
+						       memory_order_acquire,
+						       memory_order_relaxed);
+}
+
+/* Takes m or marks it QUEUED, so that its holder will hand it over.  Lock
+ * held.  KL_OK (taken) or KL_ETIMEDOUT (must queue). */
+static int
+take_or_mark(kl_mutex *m, uint64_t id)
+{
+	uint64_t s = atomic_load_explicit(&m->state, memory_order_relaxed);
+
+	for (;;) {
+		if (s == 0) {
+			if (try_take(m, id)) {
+				m->owner_tid = kl__thread_id();
+				return KL_OK;
+			}
+			s = atomic_load_explicit(&m->state,
+						 memory_order_relaxed);
+			continue;
+		}
+		if (s & QUEUED)
+			return KL_ETIMEDOUT;
+		if (atomic_compare_exchange_weak_explicit(
+			    &m->state, &s, s | QUEUED, memory_order_relaxed,
+			    memory_order_relaxed))
+			return KL_ETIMEDOUT;
 	}
-	if ((m->opts.flags & KL_ERRORCHECK) && m->owner != 0 &&
-	    pthread_equal(m->owner_thread, self))
-		return KL_EDEADLK;
-	return KL_ETIMEDOUT;
 }
 
 int
 kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 {
 	struct kl__waiter w;
-	pthread_t self = pthread_self();
+	bool ec, prepared = false;
 	int64_t deadline;
 	uint64_t id;
 	int rc;
@@ -122,34 +168,39 @@ kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 	if (kl_cancel_fired(c))
 		return KL_ECANCELED;
 	id = kl__next_id();
-	out->start_ns = kl__now_ns();
-	deadline = kl__deadline(timeout_ms);
-
-	pthread_mutex_lock(&m->lock);
-	rc = take(m, id, self);
-	if (rc != KL_ETIMEDOUT || timeout_ms == 0) {
-		pthread_mutex_unlock(&m->lock);
+	out->start_ns = kl__coarse_now_ns();
+	ec = errorcheck(m);
+	if (!ec && try_take(m, id)) {
+		out->id = id;
+		return KL_OK;
+	}
+	if (!ec && timeout_ms == 0) {
+		rc = KL_ETIMEDOUT;
 		goto done;
 	}
-	if (c != NULL) {
-		/* The token's lock comes before ours: register unlocked,
-		 * then look again, since the holder may have left. */
-		pthread_mutex_unlock(&m->lock);
+	deadline = kl__deadline(timeout_ms);
+	if (timeout_ms != 0) {
+		/* The token's lock comes before ours: register first. */
 		if ((rc = kl__waiter_prepare(&w, &m->lock, c)) != KL_OK)
 			goto done;
-		pthread_mutex_lock(&m->lock);
-		rc = take(m, id, self);
-		if (rc != KL_ETIMEDOUT)
-			goto unlock_finish;
-	} else {
-		kl__waiter_prepare(&w, &m->lock, NULL);
+		prepared = true;
 	}
-	w.data = id;
-	rc = kl__waitq_wait(&m->q, &w, deadline, m->opts.max_queue,
-			    m->opts.overflow);
-unlock_finish:
-	pthread_mutex_unlock(&m->lock);
-	kl__waiter_finish(&w);
+	pthread_mutex_lock(&m->lock);
+	if ((rc = take_or_mark(m, id)) == KL_OK) {
+		pthread_mutex_unlock(&m->lock);
+	} else if (ec && m->owner_tid == kl__thread_id()) {
+		pthread_mutex_unlock(&m->lock);
+		rc = KL_EDEADLK;
+	} else if (timeout_ms == 0) {
+		pthread_mutex_unlock(&m->lock);
+		rc = KL_ETIMEDOUT;
+	} else {
+		w.data = id;
+		rc = kl__waitq_wait(&m->q, &w, deadline, m->opts.max_queue,
+				    m->opts.overflow);
+	}
+	if (prepared)
+		kl__waiter_finish(&w);
 done:
 	if (rc == KL_OK)
 		out->id = id;
@@ -168,23 +219,39 @@ int
 kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 {
 	struct kl__waiter *w;
+	uint64_t expected;
+	void *wake = NULL;
 
-	if (m == NULL || t.id == 0)
+	if (m == NULL || t.id == 0 || t.id > UINT64_MAX >> 1)
 		return KL_EINVAL;
+	expected = t.id << 1;
+	/* Release order publishes the critical section to the next owner. */
+	if (!abort_pending && !errorcheck(m) &&
+	    atomic_compare_exchange_strong_explicit(&m->state, &expected, 0,
+						    memory_order_release,
+						    memory_order_relaxed))
+		return KL_OK;
 	pthread_mutex_lock(&m->lock);
-	if (m->owner != t.id) {
+	if ((atomic_load_explicit(&m->state, memory_order_relaxed) >> 1) !=
+	    t.id) {
 		pthread_mutex_unlock(&m->lock);
 		return KL_EINVAL;
 	}
 	if (abort_pending)
 		kl__waitq_fail_all(&m->q, KL_ECANCELED);
 	if ((w = kl__waitq_grant_head(&m->q)) != NULL) {
-		m->owner = w->data;
-		m->owner_thread = w->self;
+		atomic_store_explicit(&m->state,
+				      (w->data << 1) |
+					      (m->q.len != 0 ? QUEUED : 0),
+				      memory_order_release);
+		m->owner_tid = w->tid;
+		wake = kl__waiter_settle(w);
 	} else {
-		m->owner = 0;
+		atomic_store_explicit(&m->state, 0, memory_order_release);
+		m->owner_tid = 0;
 	}
 	pthread_mutex_unlock(&m->lock);
+	kl__unpark(wake);
 	return KL_OK;
 }
 
@@ -209,14 +276,8 @@ kl_mutex_run(kl_mutex *m, int64_t timeout_ms, kl_cancel *c,
 bool
 kl_mutex_is_locked(kl_mutex *m)
 {
-	bool locked;
-
-	if (m == NULL)
-		return false;
-	pthread_mutex_lock(&m->lock);
-	locked = m->owner != 0;
-	pthread_mutex_unlock(&m->lock);
-	return locked;
+	return m != NULL &&
+	       atomic_load_explicit(&m->state, memory_order_acquire) != 0;
 }
 
 size_t
@@ -238,7 +299,9 @@ kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts)
 	if (m == NULL || opts == NULL || !opts_valid(opts))
 		return KL_EINVAL;
 	pthread_mutex_lock(&m->lock);
-	m->opts = *opts;
+	m->opts.max_queue = opts->max_queue;
+	m->opts.overflow = opts->overflow;
+	__atomic_store_n(&m->opts.flags, opts->flags, __ATOMIC_RELAXED);
 	kl__waitq_reduce(&m->q, opts->max_queue, opts->overflow);
 	pthread_mutex_unlock(&m->lock);
 	return KL_OK;
@@ -250,7 +313,9 @@ kl_mutex_get_opts(kl_mutex *m, kl_queue_opts *out)
 	if (m == NULL || out == NULL)
 		return KL_EINVAL;
 	pthread_mutex_lock(&m->lock);
-	*out = m->opts;
+	out->max_queue = m->opts.max_queue;
+	out->overflow = m->opts.overflow;
+	out->flags = __atomic_load_n(&m->opts.flags, __ATOMIC_RELAXED);
 	pthread_mutex_unlock(&m->lock);
 	return KL_OK;
 }
@@ -262,6 +327,6 @@ kl_token_elapsed_ms(kl_token t)
 
 	if (t.id == 0)
 		return 0;
-	d = kl__now_ns() - t.start_ns;
+	d = kl__coarse_now_ns() - t.start_ns;
 	return d < 0 ? 0 : d / 1000000;
 }

@@ -102,16 +102,15 @@ kl_reset_event_wait(kl_reset_event *e, int64_t timeout_ms, kl_cancel *c)
 		pthread_mutex_lock(&e->lock);
 		if (e->signaled) {
 			spend(e);
-			rc = KL_OK;
-			goto unlock_finish;
+			pthread_mutex_unlock(&e->lock);
+			kl__waiter_finish(&w);
+			return KL_OK;
 		}
 	} else {
 		kl__waiter_prepare(&w, &e->lock, NULL);
 	}
 	rc = kl__waitq_wait(&e->q, &w, deadline, e->opts.max_queue,
 			    e->opts.overflow);
-unlock_finish:
-	pthread_mutex_unlock(&e->lock);
 	kl__waiter_finish(&w);
 	return rc;
 }
@@ -125,8 +124,12 @@ kl_reset_event_set(kl_reset_event *e)
 	if (!e->signaled) {
 		e->signaled = true;
 		e->budget = e->opts.auto_reset_count;
-		while (e->signaled && kl__waitq_grant_head(&e->q) != NULL)
+		struct kl__waiter *w;
+
+		while (e->signaled && (w = kl__waitq_grant_head(&e->q))) {
+			kl__unpark(kl__waiter_settle(w));
 			spend(e);
+		}
 	}
 	pthread_mutex_unlock(&e->lock);
 }

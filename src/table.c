@@ -30,7 +30,7 @@ struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
 	uint64_t hash;
 	struct kl__waitq q;
-	pthread_t owner_thread;
+	uint64_t owner_tid; /* kl__thread_id() of the holder */
 	size_t len;
 	char key[]; /* len bytes and a NUL */
 };
@@ -166,7 +166,7 @@ insert(struct kl__table *t, struct shard *s, uint64_t h, const char *key,
 		return KL_ENOMEM;
 	e->hash = h;
 	kl__waitq_init(&e->q, &s->lock);
-	e->owner_thread = pthread_self();
+	e->owner_tid = kl__thread_id();
 	e->len = len;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
@@ -206,7 +206,6 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 {
 	uint64_t h = kl__hash(key, len);
 	struct shard *s = shard_of(t, h);
-	pthread_t self = pthread_self();
 	struct kl__waiter w;
 	struct kl__entry *e;
 	bool prepared = false;
@@ -228,7 +227,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		}
 		goto unlock;
 	}
-	if ((flags & KL_ERRORCHECK) && pthread_equal(e->owner_thread, self)) {
+	if ((flags & KL_ERRORCHECK) && e->owner_tid == kl__thread_id()) {
 		rc = KL_EDEADLK;
 		goto unlock;
 	}
@@ -246,8 +245,10 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		*out = e;
 		*fence = w.data;
 	}
+	goto finish;
 unlock:
 	pthread_mutex_unlock(&s->lock);
+finish:
 	if (prepared)
 		kl__waiter_finish(&w);
 	return rc;
@@ -258,16 +259,19 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 {
 	struct shard *s = shard_of(t, e->hash);
 	struct kl__waiter *w;
+	void *wake = NULL;
 
 	pthread_mutex_lock(&s->lock);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
-		e->owner_thread = w->self;
+		e->owner_tid = w->tid;
 		w->data = ++s->fence;
+		wake = kl__waiter_settle(w);
 		e = NULL;
 	} else {
 		unlink_entry(t, s, e);
 	}
 	pthread_mutex_unlock(&s->lock);
+	kl__unpark(wake);
 	kl__free(e);
 }
 

@@ -1,26 +1,169 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The wait queue: a FIFO of parked threads, each on its own stack with its
- * own condvar, woken one at a time by direct hand-off.
+ * The wait queue: a FIFO of parked threads, each on its own stack, parked
+ * on a word of its own and woken one at a time by direct hand-off.
  *
  * Invariants (all under q->lock):
  * - a waiter is in the list exactly when its state is KL_W_WAITING, and
  *   q->len counts the list;
  * - a waiter's state leaves WAITING once, to GRANTED or DONE, and the thread
- *   that moves it also unlinks it and signals its condvar;
- * - only the waiting thread reads its final state, after re-taking the lock,
- *   so whoever settles first (granter, timer, canceller, evictor) decides
- *   the outcome and the others see a final state and do nothing.
+ *   that moves it also unlinks it and publishes the outcome (settle);
+ * - so whoever settles first (granter, timer, canceller, evictor) decides
+ *   the outcome; the others find a final state and do nothing.
  * Because a grant goes only to a WAITING waiter and the waiter honours any
  * grant it finds, a grant is never lost: a waiter that timed out first is
  * already unlinked and the grant goes to the next one.
+ *
+ * The parking word: 0 while the waiter is awake, 2 once it has announced it
+ * sleeps, 1 when its outcome is published.  The settler writes the outcome
+ * fields, then exchanges 1 into the word with release order; the waiter
+ * reads the fields only after loading 1 with acquire order, so it needs the
+ * lock no more, and the settler never touches the waiter after the exchange
+ * except to wake it, and only when the old value says it sleeps.  Waking a
+ * futex word whose frame has since returned is harmless: a private futex
+ * wake only names an address, and every parker re-checks its word.
+ *
+ * Before parking, the head waiter spins briefly when there are spare CPUs:
+ * a short critical section ends sooner than a sleeping thread wakes.
  */
 #include "config.h"
 
 #include <errno.h>
 #include <time.h>
+#include <unistd.h>
+#ifdef HAVE_LINUX_FUTEX_H
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "internal.h"
+
+#define W_AWAKE 0u
+#define W_SETTLED 1u
+#define W_PARKED 2u
+
+#define SPIN_NS 20000 /* about one sleeping wake-up on a loaded VM */
+
+/* ------------------------------------------------------------------ */
+/* Parking */
+
+#ifdef HAVE_LINUX_FUTEX_H
+/* Sleeps while *word is W_PARKED, until the absolute CLOCK_MONOTONIC time
+ * expire_ns (KL_NO_DEADLINE: no limit).  Returns on a wake, a signal, a
+ * spurious wake-up or the time: the caller re-checks everything. */
+static void
+park(atomic_uint *word, int64_t expire_ns)
+{
+	struct timespec ts, *tp = NULL;
+
+	if (expire_ns != KL_NO_DEADLINE) {
+		ts.tv_sec = (time_t)(expire_ns / 1000000000);
+		ts.tv_nsec = (long)(expire_ns % 1000000000);
+		tp = &ts;
+	}
+	/* FUTEX_WAIT_BITSET takes an absolute time on CLOCK_MONOTONIC. */
+	syscall(SYS_futex, (unsigned *)word,
+		FUTEX_WAIT_BITSET | FUTEX_PRIVATE_FLAG, W_PARKED, tp, NULL,
+		FUTEX_BITSET_MATCH_ANY);
+}
+
+void
+kl__unpark(void *wake)
+{
+	if (wake != NULL)
+		syscall(SYS_futex, (unsigned *)wake,
+			FUTEX_WAKE | FUTEX_PRIVATE_FLAG, 1, NULL, NULL, 0);
+}
+#else
+/* Portable parker: a fixed table of mutex+condvar buckets chosen by the
+ * word's address.  The unparker takes the bucket lock after publishing, the
+ * parker checks the word under it, so no wake-up is lost. */
+#define NBUCKETS 64
+
+static struct {
+	pthread_mutex_t lock;
+	pthread_cond_t cond;
+} buckets[NBUCKETS];
+static pthread_once_t buckets_once = PTHREAD_ONCE_INIT;
+
+static void
+buckets_init(void)
+{
+	for (int i = 0; i < NBUCKETS; i++) {
+		pthread_mutex_init(&buckets[i].lock, NULL);
+		pthread_cond_init(&buckets[i].cond, kl__condattr());
+	}
+}
+
+static size_t
+bucket_of(const void *word)
+{
+	return ((uintptr_t)word >> 4) % NBUCKETS;
+}
+
+static void
+park(atomic_uint *word, int64_t expire_ns)
+{
+	size_t b = bucket_of(word);
+	struct timespec ts;
+
+	pthread_once(&buckets_once, buckets_init);
+	pthread_mutex_lock(&buckets[b].lock);
+	if (atomic_load_explicit(word, memory_order_acquire) == W_PARKED) {
+		if (expire_ns == KL_NO_DEADLINE) {
+			pthread_cond_wait(&buckets[b].cond, &buckets[b].lock);
+		} else {
+			ts.tv_sec = (time_t)(expire_ns / 1000000000);
+			ts.tv_nsec = (long)(expire_ns % 1000000000);
+			pthread_cond_timedwait(&buckets[b].cond,
+					       &buckets[b].lock, &ts);
+		}
+	}
+	pthread_mutex_unlock(&buckets[b].lock);
+}
+
+void
+kl__unpark(void *wake)
+{
+	size_t b;
+
+	if (wake == NULL)
+		return;
+	b = bucket_of(wake);
+	pthread_once(&buckets_once, buckets_init);
+	pthread_mutex_lock(&buckets[b].lock);
+	pthread_cond_broadcast(&buckets[b].cond);
+	pthread_mutex_unlock(&buckets[b].lock);
+}
+#endif
+
+static inline void
+cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
+
+static long
+ncpu(void)
+{
+	static atomic_long cached;
+	long n = atomic_load_explicit(&cached, memory_order_relaxed);
+
+	if (n == 0) {
+		n = sysconf(_SC_NPROCESSORS_ONLN);
+		if (n < 1)
+			n = 1;
+		atomic_store_explicit(&cached, n, memory_order_relaxed);
+	}
+	return n;
+}
+
+/* ------------------------------------------------------------------ */
+/* The queue */
 
 void
 kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
@@ -52,17 +195,28 @@ unlink_waiter(struct kl__waitq *q, struct kl__waiter *w)
 	q->len--;
 }
 
+void *
+kl__waiter_settle(struct kl__waiter *w)
+{
+	unsigned old = atomic_exchange_explicit(&w->word, W_SETTLED,
+						memory_order_release);
+
+	return old == W_PARKED ? (void *)&w->word : NULL;
+}
+
 void
 kl__waiter_fail(struct kl__waiter *w, int status)
 {
-	if (w->state == KL_W_WAITING) {
-		unlink_waiter(w->q, w);
-		pthread_cond_signal(&w->cond);
-	} else if (w->state != KL_W_INIT) {
+	bool queued = w->state == KL_W_WAITING;
+
+	if (!queued && w->state != KL_W_INIT)
 		return;
-	}
+	if (queued)
+		unlink_waiter(w->q, w);
 	w->state = KL_W_DONE;
 	w->status = status;
+	if (queued)
+		kl__unpark(kl__waiter_settle(w));
 }
 
 int
@@ -72,16 +226,17 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->next = w->prev = NULL;
 	w->q = NULL;
 	w->lock = lock;
+	atomic_init(&w->word, W_AWAKE);
 	w->state = KL_W_INIT;
 	w->status = KL_OK;
+	w->spin = false;
 	w->cancel = NULL;
 	w->cnext = w->cprev = NULL;
-	w->self = pthread_self();
+	w->tid = kl__thread_id();
 	w->data = 0;
 	w->expire_ns = KL_NO_DEADLINE;
 	if (c != NULL && !kl__cancel_register(c, w))
 		return KL_ECANCELED;
-	pthread_cond_init(&w->cond, kl__condattr());
 	return KL_OK;
 }
 
@@ -90,7 +245,6 @@ kl__waiter_finish(struct kl__waiter *w)
 {
 	if (w->cancel != NULL)
 		kl__cancel_unregister(w->cancel, w);
-	pthread_cond_destroy(&w->cond);
 }
 
 static void
@@ -117,18 +271,45 @@ expiry_status(const struct kl__waiter *w, int64_t now)
 						     : KL_ETIMEDOUT;
 }
 
+static bool
+settled(struct kl__waiter *w)
+{
+	return atomic_load_explicit(&w->word, memory_order_acquire) ==
+	       W_SETTLED;
+}
+
+static void
+spin(struct kl__waiter *w)
+{
+	int64_t until = kl__now_ns() + SPIN_NS;
+
+	for (;;) {
+		for (int i = 0; i < 64; i++) {
+			if (settled(w))
+				return;
+			cpu_relax();
+		}
+		if (kl__now_ns() >= until)
+			return;
+	}
+}
+
 int
 kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	       int64_t deadline_ns, size_t max_queue, kl_overflow overflow)
 {
-	int oldstate, rc;
-	struct timespec ts;
+	unsigned awake = W_AWAKE;
+	int oldstate;
 
-	if (w->state == KL_W_DONE) /* canceled before it could queue */
+	if (w->state == KL_W_DONE) { /* canceled before it could queue */
+		pthread_mutex_unlock(q->lock);
 		return w->status;
+	}
 	if (q->len >= max_queue) {
-		if (max_queue == 0 || overflow == KL_OVERFLOW_THIS)
+		if (max_queue == 0 || overflow == KL_OVERFLOW_THIS) {
+			pthread_mutex_unlock(q->lock);
 			return KL_EOVERFLOW;
+		}
 		kl__waiter_fail(overflow == KL_OVERFLOW_FIRST ? q->head
 							      : q->tail,
 				KL_EOVERFLOW);
@@ -137,27 +318,39 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	if (deadline_ns < w->expire_ns)
 		w->expire_ns = deadline_ns;
 	append(q, w);
+	/* Spin only as the head, and only while the holder and this waiter
+	 * can both run at once. */
+	w->spin = q->len == 1 && ncpu() > 1;
+	pthread_mutex_unlock(q->lock);
 
-	/* A waiter is not a cancellation point: being cancelled inside
-	 * pthread_cond_wait would leave the node linked on a dead stack. */
+	/* A waiter is not a cancellation point: being cancelled while parked
+	 * would leave the node linked on a dead stack. */
 	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &oldstate);
-	if (w->expire_ns != KL_NO_DEADLINE) {
-		ts.tv_sec = (time_t)(w->expire_ns / 1000000000);
-		ts.tv_nsec = (long)(w->expire_ns % 1000000000);
-	}
-	while (w->state == KL_W_WAITING) {
-		if (w->expire_ns == KL_NO_DEADLINE) {
-			pthread_cond_wait(&w->cond, q->lock);
+	if (w->spin)
+		spin(w);
+	while (!settled(w)) {
+		if (atomic_compare_exchange_strong_explicit(
+			    &w->word, &awake, W_PARKED, memory_order_acquire,
+			    memory_order_acquire) ||
+		    awake == W_PARKED)
+			park(&w->word, w->expire_ns);
+		awake = W_AWAKE;
+		if (settled(w) || w->expire_ns == KL_NO_DEADLINE)
 			continue;
-		}
-		rc = pthread_cond_timedwait(&w->cond, q->lock, &ts);
-		if (rc == ETIMEDOUT && w->state == KL_W_WAITING) {
-			/* Never early: trust the clock, not the return. */
-			int64_t now = kl__now_ns();
+		/* Never early: trust the clock, not the wake-up. */
+		int64_t now = kl__now_ns();
 
-			if (now >= w->expire_ns)
-				kl__waiter_fail(w, expiry_status(w, now));
+		if (now < w->expire_ns)
+			continue;
+		pthread_mutex_lock(q->lock);
+		if (w->state == KL_W_WAITING) {
+			unlink_waiter(q, w);
+			w->state = KL_W_DONE;
+			w->status = expiry_status(w, now);
+			atomic_store_explicit(&w->word, W_SETTLED,
+					      memory_order_relaxed);
 		}
+		pthread_mutex_unlock(q->lock);
 	}
 	pthread_setcancelstate(oldstate, NULL);
 	return w->state == KL_W_GRANTED ? KL_OK : w->status;
@@ -183,7 +376,6 @@ kl__waitq_grant_head(struct kl__waitq *q)
 		}
 		unlink_waiter(q, w);
 		w->state = KL_W_GRANTED;
-		pthread_cond_signal(&w->cond);
 		return w;
 	}
 	return NULL;

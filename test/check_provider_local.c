@@ -63,10 +63,19 @@
 /* ------------------------------------------------------------------ */
 /* Fixture: a fresh parent directory and its private state directory    */
 
-static char g_parent[PATH_MAX]; /* mkdtemp'd, 0700 */
+/*
+ * g_root is made once per TCase by an unchecked fixture, which runs in the
+ * runner's process: its teardown removes whatever a test left behind, even
+ * a test that failed in a forked child (Check ends those with _exit, so no
+ * checked teardown or atexit handler runs there).  Each test makes its own
+ * g_parent inside it; a helper left by a failed child dies with it
+ * (PR_SET_PDEATHSIG).
+ */
+static char g_root[PATH_MAX];   /* /tmp/kl-check-local.XXXXXX, 0700 */
+static char g_parent[PATH_MAX]; /* g_root/t.XXXXXX, 0700 */
 static char g_dir[PATH_MAX];    /* g_parent/state, 0700 */
 
-/* Helper processes not yet reaped, killed by the cleanup. */
+/* Helper processes not yet reaped, killed by the teardown. */
 #define MAX_HELPERS 16
 static pid_t g_live[MAX_HELPERS];
 
@@ -80,24 +89,20 @@ remove_entry(const char *path, const struct stat *sb, int flag,
 	return remove(path);
 }
 
-/* Kills the helpers left over and removes the directories.  Runs from the
- * checked teardown and, for tests that failed in a forked child (where
- * Check exits without the teardown), at exit. */
 static void
-cleanup_all(void)
+root_setup(void)
 {
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] > 0) {
-			kill(g_live[i], SIGKILL);
-			waitpid(g_live[i], NULL, 0);
-			g_live[i] = 0;
-		}
-	}
-	if (g_parent[0] != '\0') {
-		nftw(g_parent, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
-		g_parent[0] = '\0';
-		g_dir[0] = '\0';
-	}
+	strcpy(g_root, "/tmp/kl-check-local.XXXXXX");
+	ck_assert_ptr_nonnull(mkdtemp(g_root));
+	ck_assert_int_eq(chmod(g_root, 0700), 0);
+}
+
+static void
+root_teardown(void)
+{
+	if (g_root[0] != '\0')
+		nftw(g_root, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	g_root[0] = '\0';
 }
 
 static void
@@ -105,7 +110,8 @@ setup(void)
 {
 	int n;
 
-	strcpy(g_parent, "/tmp/kl-check-local.XXXXXX");
+	n = snprintf(g_parent, sizeof g_parent, "%s/t.XXXXXX", g_root);
+	ck_assert(n > 0 && (size_t)n < sizeof g_parent);
 	ck_assert_ptr_nonnull(mkdtemp(g_parent));
 	ck_assert_int_eq(chmod(g_parent, 0700), 0);
 	n = snprintf(g_dir, sizeof g_dir, "%s/state", g_parent);
@@ -114,10 +120,21 @@ setup(void)
 	ck_assert_int_eq(chmod(g_dir, 0700), 0);
 }
 
+/* Kills the helpers left over and removes the test's directories. */
 static void
 teardown(void)
 {
-	cleanup_all();
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] > 0) {
+			kill(g_live[i], SIGKILL);
+			waitpid(g_live[i], NULL, 0);
+			g_live[i] = 0;
+		}
+	}
+	if (g_parent[0] != '\0')
+		nftw(g_parent, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	g_parent[0] = '\0';
+	g_dir[0] = '\0';
 }
 
 /* g_parent/name into buf. */
@@ -447,12 +464,16 @@ waiter_main(void *arg)
 	return NULL;
 }
 
-static void
-waiter_start(struct waiter *w, kl_provider *p, const char *key,
-	     int64_t timeout_ms, kl_cancel *c, bool release,
-	     struct shared *sh)
+/* A waiter thread on key.  Heap-allocated and freed by waiter_free: a
+ * test that fails in CK_FORK=no mode leaves it to a thread that may still
+ * run. */
+static struct waiter *
+waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
+	     kl_cancel *c, bool release, struct shared *sh)
 {
-	memset(w, 0, sizeof *w);
+	struct waiter *w = calloc(1, sizeof *w);
+
+	ck_assert_ptr_nonnull(w);
 	w->p = p;
 	w->key = key;
 	w->timeout_ms = timeout_ms;
@@ -461,6 +482,7 @@ waiter_start(struct waiter *w, kl_provider *p, const char *key,
 	w->sh = sh;
 	atomic_init(&w->done, false);
 	test_thread_start(&w->th, waiter_main, w);
+	return w;
 }
 
 static bool
@@ -477,15 +499,14 @@ waiter_join(struct waiter *w)
 	test_thread_join(w->th);
 }
 
-/* Releases what the waiter still holds and frees its lock. */
+/* Releases what the joined waiter still holds and frees it. */
 static void
 waiter_free(struct waiter *w)
 {
 	if (w->h.lease != NULL)
 		kl_lease_release(w->h.lease);
 	kl_lock_free(w->h.l);
-	w->h.lease = NULL;
-	w->h.l = NULL;
+	free(w);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1101,33 +1122,35 @@ START_TEST(test_fifo_threads)
 {
 	enum { N = 8 };
 	kl_provider *p = open_dir(g_dir);
-	struct waiter w[N];
-	struct shared sh;
+	struct waiter *w[N];
+	struct shared *sh = calloc(1, sizeof *sh);
 	struct hold h;
 	uint64_t f0;
 
-	atomic_init(&sh.seq, 0);
-	atomic_init(&sh.inside, 0);
-	atomic_init(&sh.overlaps, 0);
+	ck_assert_ptr_nonnull(sh);
+	atomic_init(&sh->seq, 0);
+	atomic_init(&sh->inside, 0);
+	atomic_init(&sh->overlaps, 0);
 	take_ok(p, "lo:fifo", 0, &h);
 	f0 = kl_lease_fence(h.lease);
 	for (int i = 0; i < N; i++) {
-		waiter_start(&w[i], p, "lo:fifo", WAIT_BOUND_MS, NULL, true,
-			     &sh);
+		w[i] = waiter_start(p, "lo:fifo", WAIT_BOUND_MS, NULL, true,
+				    sh);
 		wait_status(p, "lo:fifo", 1, (size_t)i + 1);
 	}
 	drop(&h);
 	for (int i = 0; i < N; i++)
-		waiter_join(&w[i]);
+		waiter_join(w[i]);
 	for (int i = 0; i < N; i++) {
-		ck_assert_msg(w[i].rc == KL_OK, "waiter %d: %s: %s", i,
-			      kl_strerror(w[i].rc), w[i].err.message);
-		ck_assert_msg(w[i].rank == i, "waiter %d granted as number %d",
-			      i, w[i].rank);
-		ck_assert_uint_eq(w[i].fence, f0 + 1 + (uint64_t)i);
-		waiter_free(&w[i]);
+		ck_assert_msg(w[i]->rc == KL_OK, "waiter %d: %s: %s", i,
+			      kl_strerror(w[i]->rc), w[i]->err.message);
+		ck_assert_msg(w[i]->rank == i, "waiter %d granted as number %d",
+			      i, w[i]->rank);
+		ck_assert_uint_eq(w[i]->fence, f0 + 1 + (uint64_t)i);
+		waiter_free(w[i]);
 	}
-	ck_assert_int_eq(atomic_load(&sh.overlaps), 0);
+	ck_assert_int_eq(atomic_load(&sh->overlaps), 0);
+	free(sh);
 	assert_status(p, "lo:fifo", 0, 0);
 	kl_provider_free(p);
 }
@@ -1139,23 +1162,23 @@ END_TEST
 START_TEST(test_timeout_leaves_queue)
 {
 	kl_provider *p = open_dir(g_dir);
-	struct waiter w;
+	struct waiter *w;
 	struct hold h, h2;
 	struct scan s;
 	int64_t waited;
 
 	take_ok(p, "lo:timeout", 0, &h);
-	waiter_start(&w, p, "lo:timeout", 200, NULL, false, NULL);
-	waiter_join(&w);
-	ck_assert_msg(w.rc == KL_ETIMEDOUT, "waiter: %s",
-		      kl_strerror(w.rc));
-	waited = (w.end_ns - w.start_ns) / 1000000;
+	w = waiter_start(p, "lo:timeout", 200, NULL, false, NULL);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_ETIMEDOUT, "waiter: %s",
+		      kl_strerror(w->rc));
+	waited = (w->end_ns - w->start_ns) / 1000000;
 	ck_assert_msg(waited >= 200, "timed out after %" PRId64 " ms",
 		      waited);
 	ck_assert_msg(waited < 200 + 5000, "timed out after %" PRId64 " ms",
 		      waited);
-	ck_assert(w.err.message[0] != '\0');
-	waiter_free(&w);
+	ck_assert(w->err.message[0] != '\0');
+	waiter_free(w);
 	/* Gone from the queue, its ticket file too. */
 	assert_status(p, "lo:timeout", 1, 0);
 	scan_state(g_dir, &s);
@@ -1199,18 +1222,18 @@ START_TEST(test_cancel_leaves_queue)
 {
 	kl_provider *p = open_dir(g_dir);
 	kl_cancel *c;
-	struct waiter w;
+	struct waiter *w;
 	struct hold h;
 	struct scan s;
 
 	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
 	take_ok(p, "lo:cancel", 0, &h);
-	waiter_start(&w, p, "lo:cancel", WAIT_BOUND_MS, c, false, NULL);
+	w = waiter_start(p, "lo:cancel", WAIT_BOUND_MS, c, false, NULL);
 	wait_status(p, "lo:cancel", 1, 1);
 	kl_cancel_fire(c);
-	waiter_join(&w);
-	ck_assert_msg(w.rc == KL_ECANCELED, "waiter: %s", kl_strerror(w.rc));
-	waiter_free(&w);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_ECANCELED, "waiter: %s", kl_strerror(w->rc));
+	waiter_free(w);
 	assert_status(p, "lo:cancel", 1, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 1);
@@ -1254,29 +1277,29 @@ END_TEST
 START_TEST(test_head_gives_up_passes_on)
 {
 	kl_provider *p = open_dir(g_dir);
-	struct waiter w1, w2;
+	struct waiter *w1, *w2;
 	struct hold h;
 	uint64_t f0;
 
 	take_ok(p, "lo:head", 0, &h);
 	f0 = kl_lease_fence(h.lease);
 	/* W1's timeout only has to outlast queueing W2 behind it. */
-	waiter_start(&w1, p, "lo:head", 2000, NULL, false, NULL);
+	w1 = waiter_start(p, "lo:head", 2000, NULL, false, NULL);
 	wait_status(p, "lo:head", 1, 1);
-	waiter_start(&w2, p, "lo:head", WAIT_BOUND_MS, NULL, false, NULL);
+	w2 = waiter_start(p, "lo:head", WAIT_BOUND_MS, NULL, false, NULL);
 	wait_status(p, "lo:head", 1, 2);
-	waiter_join(&w1);
-	ck_assert_msg(w1.rc == KL_ETIMEDOUT, "W1: %s", kl_strerror(w1.rc));
+	waiter_join(w1);
+	ck_assert_msg(w1->rc == KL_ETIMEDOUT, "W1: %s", kl_strerror(w1->rc));
 	wait_status(p, "lo:head", 1, 1);
-	ck_assert(!atomic_load(&w2.done));
+	ck_assert(!atomic_load(&w2->done));
 	drop(&h);
-	waiter_join(&w2);
-	ck_assert_msg(w2.rc == KL_OK, "W2: %s: %s", kl_strerror(w2.rc),
-		      w2.err.message);
-	ck_assert_uint_eq(w2.fence, f0 + 1);
+	waiter_join(w2);
+	ck_assert_msg(w2->rc == KL_OK, "W2: %s: %s", kl_strerror(w2->rc),
+		      w2->err.message);
+	ck_assert_uint_eq(w2->fence, f0 + 1);
 	assert_status(p, "lo:head", 1, 0);
-	waiter_free(&w2);
-	waiter_free(&w1);
+	waiter_free(w2);
+	waiter_free(w1);
 	assert_status(p, "lo:head", 0, 0);
 	kl_provider_free(p);
 }
@@ -1323,27 +1346,27 @@ START_TEST(test_process_holder_killed)
 {
 	kl_provider *p = open_dir(g_dir);
 	struct helper hp;
-	struct waiter w;
+	struct waiter *w;
 	uint64_t f1;
 	int64_t killed_ns, after_ms;
 
 	helper_spawn(&hp, "hold", "lo:proc:holder", NULL, 0);
 	f1 = helper_granted(&hp);
 	assert_status(p, "lo:proc:holder", 1, 0);
-	waiter_start(&w, p, "lo:proc:holder", WAIT_BOUND_MS, NULL, false,
-		     NULL);
+	w = waiter_start(p, "lo:proc:holder", WAIT_BOUND_MS, NULL, false,
+			 NULL);
 	wait_status(p, "lo:proc:holder", 1, 1);
 	killed_ns = now_ns();
 	helper_kill(&hp);
-	waiter_join(&w);
-	ck_assert_msg(w.rc == KL_OK, "waiter: %s: %s", kl_strerror(w.rc),
-		      w.err.message);
-	after_ms = (w.end_ns - killed_ns) / 1000000;
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_OK, "waiter: %s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	after_ms = (w->end_ns - killed_ns) / 1000000;
 	ck_assert_msg(after_ms < 2000, "granted %" PRId64 " ms after the kill",
 		      after_ms);
-	ck_assert_uint_gt(w.fence, f1);
+	ck_assert_uint_gt(w->fence, f1);
 	assert_status(p, "lo:proc:holder", 1, 0);
-	waiter_free(&w);
+	waiter_free(w);
 	assert_status(p, "lo:proc:holder", 0, 0);
 	helper_close(&hp);
 	kl_provider_free(p);
@@ -1356,7 +1379,7 @@ START_TEST(test_process_waiter_killed)
 {
 	kl_provider *p = open_dir(g_dir);
 	struct helper hp;
-	struct waiter w;
+	struct waiter *w;
 	struct hold h;
 	struct scan s;
 	char line[300];
@@ -1366,22 +1389,22 @@ START_TEST(test_process_waiter_killed)
 	f0 = kl_lease_fence(h.lease);
 	helper_spawn(&hp, "hold", "lo:proc:waiter", NULL, 0);
 	wait_status(p, "lo:proc:waiter", 1, 1);
-	waiter_start(&w, p, "lo:proc:waiter", WAIT_BOUND_MS, NULL, false,
-		     NULL);
+	w = waiter_start(p, "lo:proc:waiter", WAIT_BOUND_MS, NULL, false,
+			 NULL);
 	wait_status(p, "lo:proc:waiter", 1, 2);
 	helper_kill(&hp);
 	/* The dead waiter is no longer counted; the holder still holds. */
 	wait_status(p, "lo:proc:waiter", 1, 1);
-	ck_assert(!atomic_load(&w.done));
+	ck_assert(!atomic_load(&w->done));
 	/* It never got the key. */
 	ck_assert(!helper_line(&hp, line, sizeof line));
 	drop(&h);
-	waiter_join(&w);
-	ck_assert_msg(w.rc == KL_OK, "waiter: %s: %s", kl_strerror(w.rc),
-		      w.err.message);
-	ck_assert_uint_eq(w.fence, f0 + 1);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_OK, "waiter: %s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	ck_assert_uint_eq(w->fence, f0 + 1);
 	assert_status(p, "lo:proc:waiter", 1, 0);
-	waiter_free(&w);
+	waiter_free(w);
 	assert_status(p, "lo:proc:waiter", 0, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 0);
@@ -1619,7 +1642,7 @@ START_TEST(test_planted_fifo)
 {
 	const char *key = "lo:planted:fifo";
 	kl_provider *p = open_dir(g_dir);
-	struct refuse_run r = { .p = p, .key = key };
+	struct refuse_run *r = calloc(1, sizeof *r);
 	char q[24], path[PATH_MAX];
 	struct stat st;
 	pthread_t th;
@@ -1627,13 +1650,17 @@ START_TEST(test_planted_fifo)
 	queue_name(q, sizeof q, key, strlen(key));
 	in_state(path, sizeof path, q);
 	ck_assert_int_eq(mkfifo(path, 0600), 0);
-	atomic_init(&r.done, false);
-	test_thread_start(&th, refuse_main, &r);
-	test_poll(refuse_done, &r, "an acquire on a planted FIFO to return");
+	ck_assert_ptr_nonnull(r);
+	r->p = p;
+	r->key = key;
+	atomic_init(&r->done, false);
+	test_thread_start(&th, refuse_main, r);
+	test_poll(refuse_done, r, "an acquire on a planted FIFO to return");
 	test_thread_join(th);
-	ck_assert_msg(r.rc == KL_EPROVIDER, "acquire gave %s",
-		      kl_strerror(r.rc));
-	ck_assert_int_eq(r.status_rc, KL_EPROVIDER);
+	ck_assert_msg(r->rc == KL_EPROVIDER, "acquire gave %s",
+		      kl_strerror(r->rc));
+	ck_assert_int_eq(r->status_rc, KL_EPROVIDER);
+	free(r);
 	ck_assert_int_eq(lstat(path, &st), 0);
 	ck_assert(S_ISFIFO(st.st_mode));
 	kl_provider_free(p);
@@ -1679,6 +1706,7 @@ tcase_new(Suite *s, const char *name, int timeout)
 	TCase *tc = tcase_create(name);
 
 	tcase_set_timeout(tc, timeout);
+	tcase_add_unchecked_fixture(tc, root_setup, root_teardown);
 	tcase_add_checked_fixture(tc, setup, teardown);
 	suite_add_tcase(s, tc);
 	return tc;
@@ -1743,7 +1771,6 @@ main(void)
 	SRunner *sr = srunner_create(provider_local_suite());
 	int failed;
 
-	atexit(cleanup_all);
 	srunner_run_all(sr, CK_ENV);
 	failed = srunner_ntests_failed(sr);
 	srunner_free(sr);

@@ -109,7 +109,8 @@ main(int argc, char **argv)
 	if (hold) {
 		printf("G %" PRIu64 "\n", kl_lease_fence(lease));
 		/* Held until the test says so or goes away. */
-		while (read(STDIN_FILENO, buf, sizeof buf) < 0 && errno == EINTR)
+		while (read(STDIN_FILENO, buf, sizeof buf) < 0 &&
+		       errno == EINTR)
 			;
 	} else if (append_line(argv[4], argv[5]) != 0) {
 		rc = 4;

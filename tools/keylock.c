@@ -70,9 +70,9 @@ struct options {
 	int conflict_exit;
 	bool quiet;
 	bool verbose;
-	bool status;   /* `keylock status [KEY]` */
-	const char *key;      /* NULL only for a status of every key */
-	char **command;       /* NULL-terminated tail of argv */
+	bool status;     /* `keylock status [KEY]` */
+	const char *key; /* NULL only for a status of every key */
+	char **command;  /* NULL-terminated tail of argv */
 };
 
 /* ------------------------------------------------------------------ */
@@ -405,8 +405,8 @@ run_status(const struct options *o)
 	if (o->key != NULL)
 		rc = kl_provider_status(p, o->key, &holders, &waiters, &err);
 	if (rc != KL_OK) {
-		note("%s", err.message[0] != '\0' ? err.message
-						   : kl_strerror(rc));
+		note("%s",
+		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
 		kl_provider_free(p);
 		return failure_exit(rc);
 	}
@@ -540,12 +540,12 @@ exit_by_signal(int sig)
 /* Everything the child needs, built before the fork. */
 struct command {
 	char **argv;
-	char **envp;      /* environ with KEYLOCK_KEY and KEYLOCK_FENCE */
-	char *env_key;    /* the two strings envp adds */
+	char **envp;   /* environ with KEYLOCK_KEY and KEYLOCK_FENCE */
+	char *env_key; /* the two strings envp adds */
 	char *env_fence;
-	char **paths;     /* execvp's candidates, in its order */
+	char **paths; /* execvp's candidates, in its order */
 	size_t npaths;
-	char **sh_argv;   /* /bin/sh PATH ARG..., for ENOEXEC */
+	char **sh_argv; /* /bin/sh PATH ARG..., for ENOEXEC */
 };
 
 static void
@@ -664,8 +664,7 @@ build_paths(struct command *c, const char *file)
 }
 
 static int
-command_init(struct command *c, char **argv, const char *key,
-	     uint64_t fence)
+command_init(struct command *c, char **argv, const char *key, uint64_t fence)
 {
 	size_t argc = 0;
 

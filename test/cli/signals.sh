@@ -12,8 +12,9 @@ need_local
 cat >"$TMP/trapper" <<'EOS'
 dir=$1
 shift
+keylock=("$@")
 on_term() {
-	"$@" -n k -- true
+	"${keylock[@]}" -n k -- true
 	echo "$?" >"$dir/probe"
 	exit 7
 }
