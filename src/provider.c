@@ -5,9 +5,12 @@
  */
 #include "config.h"
 
+#include <dlfcn.h>
 #include <stdarg.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "internal.h"
 
@@ -107,6 +110,53 @@ has_prefix(const char *s, const char *prefix)
 	return strncmp(s, prefix, strlen(prefix)) == 0;
 }
 
+#ifndef HAVE_SECURE_GETENV
+static char *
+secure_getenv(const char *name)
+{
+	return getuid() == geteuid() && getgid() == getegid() ? getenv(name)
+							      : NULL;
+}
+#endif
+
+typedef int (*open_fn)(kl_provider **out, const char *uri, kl_error *err);
+
+/* Loads a provider library on demand, so that libkeylock itself never links
+ * hiredis or libpq.  KEYLOCK_PROVIDER_DIR (ignored in setuid programs) is
+ * searched first, for running from a build tree; then the usual library
+ * path.  The library stays loaded for the life of the process: providers it
+ * made may still be in use. */
+static int
+open_plugin(const char *lib, const char *sym, const char *what,
+	    kl_provider **out, const char *uri, kl_error *err)
+{
+	const char *dir = secure_getenv("KEYLOCK_PROVIDER_DIR");
+	void *handle = NULL;
+	open_fn fn;
+	char path[4096];
+
+	if (dir != NULL && dir[0] != '\0' &&
+	    (size_t)snprintf(path, sizeof path, "%s/%s", dir, lib) <
+		    sizeof path)
+		handle = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	if (handle == NULL)
+		handle = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
+	if (handle == NULL) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "the %s provider needs %s, which is not "
+			      "installed (%s)",
+			      what, lib, dlerror());
+		return KL_EPROVIDER;
+	}
+	*(void **)&fn = dlsym(handle, sym);
+	if (fn == NULL) {
+		kl__error_set(err, KL_EPROVIDER, "%s has no %s", lib, sym);
+		dlclose(handle);
+		return KL_EPROVIDER;
+	}
+	return fn(out, uri, err);
+}
+
 int
 kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 {
@@ -120,18 +170,13 @@ kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 		*out = kl_memory_provider();
 		return KL_OK;
 	}
-	if (has_prefix(uri, "redis://") || has_prefix(uri, "rediss://")) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "redis provider needs libkeylock-redis, which "
-			      "this build does not provide yet");
-		return KL_EPROVIDER;
-	}
-	if (has_prefix(uri, "postgresql://") || has_prefix(uri, "postgres://")) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "postgresql provider needs libkeylock-pg, which "
-			      "this build does not provide yet");
-		return KL_EPROVIDER;
-	}
+	if (has_prefix(uri, "redis://") || has_prefix(uri, "rediss://"))
+		return open_plugin("libkeylock-redis.so.0",
+				   "kl_redis_provider_open", "redis", out, uri,
+				   err);
+	if (has_prefix(uri, "postgresql://") || has_prefix(uri, "postgres://"))
+		return open_plugin("libkeylock-pg.so.0", "kl_pg_provider_open",
+				   "postgresql", out, uri, err);
 	if (has_prefix(uri, "local:"))
 		return kl__local_provider_open(out, uri + strlen("local:"), err);
 	kl__error_set(err, KL_EINVAL,
