@@ -285,6 +285,10 @@ typedef struct {
  * status: how many hold key (0 or 1) and how many wait for it, as far as
  *   the provider can tell; KL_OK, or KL_EPROVIDER with err filled (NULL
  *   member: the provider cannot tell).
+ * watch: asks to be told when lease is lost (a distributed lease that could
+ *   not be renewed): the provider then calls lost(ctx) once, from any
+ *   thread, with none of its locks held, and never after release of that
+ *   lease has returned.  NULL member: leases are never lost.
  */
 typedef struct {
 	size_t struct_size; /* sizeof(kl_provider_ops): lets it grow */
@@ -298,6 +302,8 @@ typedef struct {
 	void (*destroy)(void *impl);
 	int (*status)(void *impl, const char *key, size_t key_len,
 		      size_t *holders, size_t *waiters, kl_error *err);
+	void (*watch)(void *impl, void *lease, void (*lost)(void *ctx),
+		      void *ctx);
 } kl_provider_ops;
 
 /* Wraps a user provider.  ops is copied (name must stay valid).  KL_EINVAL

@@ -103,6 +103,16 @@ ms_since(int64_t start_ns)
 	return d < 0 ? 0 : d / 1000000;
 }
 
+/* Called by a provider when a held lease was lost. */
+static void
+lease_lost(void *ctx)
+{
+	struct kl_lease *lease = ctx;
+
+	emit(lease->lock, KL_EV_LOST, lease->key, KL_EPROVIDER, 0,
+	     ms_since(lease->granted_ns));
+}
+
 /* The key for l and call: the lock's wins.  KL_ENOKEY (raised as REJECTED)
  * when neither has one. */
 static int
@@ -163,6 +173,8 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 		return rc;
 	}
 	lease->granted_ns = kl__now_ns();
+	if (p->ops.watch != NULL && l->on_event != NULL)
+		p->ops.watch(p->impl, lease->handle, lease_lost, lease);
 	if (err != NULL) {
 		err->status = KL_OK;
 		err->message[0] = '\0';
