@@ -6,7 +6,9 @@
  */
 #include "config.h"
 
+#include <sched.h>
 #include <string.h>
+#include <time.h>
 
 #include "internal.h"
 
@@ -26,6 +28,51 @@ kl__test_fail_alloc_at(long k)
 
 	atomic_store_explicit(&fail_at, k, memory_order_relaxed);
 	return n;
+}
+
+/* Debug yields: off unless KL_DEBUG_YIELD is set; the per-thread random
+ * state is seeded from KL_TEST_SEED and the thread's id, so a failing run
+ * replays with the same seed (as far as the scheduler allows). */
+static atomic_int yield_on = -1;
+static uint64_t yield_seed;
+static _Thread_local uint64_t yield_state;
+
+void
+kl__test_yield(const char *where)
+{
+	int on = atomic_load_explicit(&yield_on, memory_order_relaxed);
+	struct timespec ts;
+
+	(void)where;
+	if (on < 0) {
+		const char *e = getenv("KL_DEBUG_YIELD");
+		const char *seed = getenv("KL_TEST_SEED");
+
+		yield_seed = seed != NULL ? strtoull(seed, NULL, 0) : 1;
+		on = e != NULL && e[0] != '\0' && e[0] != '0';
+		atomic_store_explicit(&yield_on, on, memory_order_relaxed);
+	}
+	if (!on)
+		return;
+	if (yield_state == 0)
+		yield_state = (yield_seed ^ (kl__thread_id() *
+					     0x9e3779b97f4a7c15ULL)) | 1;
+	/* xorshift64 */
+	yield_state ^= yield_state << 13;
+	yield_state ^= yield_state >> 7;
+	yield_state ^= yield_state << 17;
+	switch (yield_state % 4) {
+	case 0:
+		break;
+	case 1:
+		sched_yield();
+		break;
+	default:
+		ts.tv_sec = 0;
+		ts.tv_nsec = (long)(yield_state % 50000);
+		nanosleep(&ts, NULL);
+		break;
+	}
 }
 
 static bool

@@ -89,6 +89,7 @@ kl_cancel_fire(kl_cancel *c)
 {
 	if (c == NULL)
 		return;
+	KL_YIELD("cancel");
 	pthread_mutex_lock(&c->lock);
 	if (!atomic_load_explicit(&c->fired, memory_order_relaxed)) {
 		atomic_store_explicit(&c->fired, true, memory_order_release);

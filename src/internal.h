@@ -208,6 +208,15 @@ KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
 /* Test hooks: only in test/libkeylock-test.la, built with -DKL_TEST_HOOKS. */
 
 #ifdef KL_TEST_HOOKS
+/* Where the protocol is most likely to race, the test build may pause for a
+ * random 0-50 us: set KL_DEBUG_YIELD=1 (and KL_TEST_SEED to replay). */
+KL_API void kl__test_yield(const char *where);
+#define KL_YIELD(where) kl__test_yield(where)
+#else
+#define KL_YIELD(where) ((void)0)
+#endif
+
+#ifdef KL_TEST_HOOKS
 /* Fail the k-th allocation from now (1 = the next); 0 disables.  Returns
  * how many allocations were made since the last call. */
 KL_API long kl__test_fail_alloc_at(long k);

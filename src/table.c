@@ -271,6 +271,7 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 		unlink_entry(t, s, e);
 	}
 	pthread_mutex_unlock(&s->lock);
+	KL_YIELD("free");
 	kl__unpark(wake);
 	kl__free(e);
 }

@@ -198,7 +198,10 @@ unlink_waiter(struct kl__waitq *q, struct kl__waiter *w)
 void *
 kl__waiter_settle(struct kl__waiter *w)
 {
-	unsigned old = atomic_exchange_explicit(&w->word, W_SETTLED,
+	unsigned old;
+
+	KL_YIELD("hand-off");
+	old = atomic_exchange_explicit(&w->word, W_SETTLED,
 						memory_order_release);
 
 	return old == W_PARKED ? (void *)&w->word : NULL;
@@ -318,6 +321,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	if (deadline_ns < w->expire_ns)
 		w->expire_ns = deadline_ns;
 	append(q, w);
+	KL_YIELD("enqueue");
 	/* Spin only as the head, and only while the holder and this waiter
 	 * can both run at once. */
 	w->spin = q->len == 1 && ncpu() > 1;
@@ -342,6 +346,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 
 		if (now < w->expire_ns)
 			continue;
+		KL_YIELD("timeout");
 		pthread_mutex_lock(q->lock);
 		if (w->state == KL_W_WAITING) {
 			unlink_waiter(q, w);

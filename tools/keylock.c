@@ -786,13 +786,13 @@ run_command(struct command *c, int *sig)
 	while (waitpid(pid, &status, 0) < 0)
 		if (errno != EINTR) {
 			note("cannot wait for the command: %s",
-			      strerror(errno));
+			     strerror(errno));
 			return EXIT_OSERR;
 		}
 
 	if (n == (ssize_t)sizeof err) {
 		note("failed to execute '%s': %s",
-		      shown(buf, sizeof buf, c->argv[0]), strerror(err));
+		     shown(buf, sizeof buf, c->argv[0]), strerror(err));
 		return err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE;
 	}
 	if (WIFSIGNALED(status)) {
@@ -833,8 +833,8 @@ on_event(const kl_event *ev, void *arg)
 		break;
 	case KL_EV_LOST:
 		note("warning: the lease on '%s' was lost while the command "
-		      "ran",
-		      shown(buf, sizeof buf, r->o->key));
+		     "ran",
+		     shown(buf, sizeof buf, r->o->key));
 		break;
 	case KL_EV_REJECTED:
 		r->waited_ms = ev->waited_ms;
@@ -890,8 +890,8 @@ run_locked(const struct options *o)
 	if (rc == KL_OK) {
 		if (o->verbose)
 			note("acquired '%s' after %" PRId64
-			      " ms (fence %" PRIu64 ")",
-			      kbuf, rep.waited_ms, kl_lease_fence(lease));
+			     " ms (fence %" PRIu64 ")",
+			     kbuf, rep.waited_ms, kl_lease_fence(lease));
 		if (command_init(&cmd, o->command, o->key,
 				 kl_lease_fence(lease)) != 0) {
 			note("out of memory");
@@ -903,10 +903,10 @@ run_locked(const struct options *o)
 		kl_lease_release(lease);
 		if (rep.release_status != KL_OK)
 			note("warning: releasing '%s' failed: %s", kbuf,
-			      kl_strerror(rep.release_status));
+			     kl_strerror(rep.release_status));
 		else if (o->verbose)
 			note("released '%s' (held %" PRId64 " ms)", kbuf,
-			      rep.held_ms);
+			     rep.held_ms);
 	} else if (rc == KL_ECANCELED && sig != 0) {
 		code = 128 + sig;
 	} else if (rc == KL_ETIMEDOUT || rc == KL_EOVERFLOW) {
@@ -916,11 +916,11 @@ run_locked(const struct options *o)
 			note("'%s' not acquired: it is held", kbuf);
 		else if (!o->quiet)
 			note("'%s' not acquired within %s", kbuf,
-			      format_ms(tbuf, sizeof tbuf, o->wait_ms));
+			     format_ms(tbuf, sizeof tbuf, o->wait_ms));
 		code = o->conflict_exit;
 	} else {
-		note("%s", err.message[0] != '\0' ? err.message
-						   : kl_strerror(rc));
+		note("%s",
+		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
 		code = failure_exit(rc);
 	}
 
