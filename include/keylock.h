@@ -126,7 +126,7 @@ typedef struct {
  * never reused; id 0 is never issued. */
 typedef struct {
 	uint64_t id;
-	int64_t start_ns; /* CLOCK_MONOTONIC time enter was called */
+	int64_t start_ns; /* CLOCK_MONOTONIC(_COARSE) time enter was called */
 } kl_token;
 
 typedef struct kl_mutex kl_mutex;
@@ -180,7 +180,9 @@ KL_API int kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts);
 /* Copies the options into *out.  KL_EINVAL for NULL arguments.  Since
  * 0.1. */
 KL_API int kl_mutex_get_opts(kl_mutex *m, kl_queue_opts *out);
-/* Milliseconds since enter was called with this token.  Since 0.1. */
+/* Milliseconds since enter was called with this token; never less than the
+ * time that passed, possibly a few ms more (start_ns is read from the
+ * coarse monotonic clock, which keeps enter cheap).  Since 0.1. */
 KL_API int64_t kl_token_elapsed_ms(kl_token t);
 
 /* ------------------------------------------------------------------ */

@@ -62,7 +62,10 @@ kl__condattr(void)
 
 static atomic_uint_fast64_t next_block = 1;
 static atomic_uint_fast64_t next_tid = 1;
-static _Thread_local uint64_t id_next, id_end, tid;
+/* initial-exec: a library loaded at start-up (not by dlopen) may use it,
+ * and it spares every enter a __tls_get_addr call. */
+#define KL_TLS _Thread_local __attribute__((tls_model("initial-exec")))
+static KL_TLS uint64_t id_next, id_end, tid;
 
 uint64_t
 kl__next_id(void)

@@ -147,7 +147,9 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 	int rc;
 
 	lease->lock = l;
-	start = kl__now_ns();
+	/* Times are only reported through events: without a hook, spare the
+	 * clock reads. */
+	start = l->on_event != NULL ? kl__now_ns() : 0;
 	perr.status = KL_OK;
 	perr.message[0] = '\0';
 	rc = p->ops.acquire(p->impl, lease->key, lease->key_len, cancel,
@@ -172,7 +174,7 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 		emit(l, KL_EV_REJECTED, lease->key, rc, ms_since(start), 0);
 		return rc;
 	}
-	lease->granted_ns = kl__now_ns();
+	lease->granted_ns = l->on_event != NULL ? kl__now_ns() : 0;
 	if (p->ops.watch != NULL && l->on_event != NULL)
 		p->ops.watch(p->impl, lease->handle, lease_lost, lease);
 	if (err != NULL) {
@@ -191,7 +193,7 @@ release(struct kl_lease *lease)
 {
 	kl_lock *l = lease->lock;
 	kl_provider *p = l->provider;
-	int64_t held = ms_since(lease->granted_ns);
+	int64_t held = l->on_event != NULL ? ms_since(lease->granted_ns) : 0;
 	kl_error perr;
 	int rc;
 

@@ -189,14 +189,11 @@ unlink_entry(struct kl__table *t, struct shard *s, struct kl__entry *e)
 	*pp = e->next;
 	s->count--;
 	atomic_fetch_sub_explicit(&t->size, 1, memory_order_relaxed);
-	if (s->count == 0) {
-		/* An idle shard keeps no bucket array at all. */
-		kl__free(s->buckets);
-		s->buckets = NULL;
-		s->mask = 0;
-	} else if (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4) {
+	/* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard
+	 * whose only key comes and goes keeps its small array instead of
+	 * allocating it on every acquire. */
+	if (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4)
 		rehash(s, (s->mask + 1) / 2);
-	}
 }
 
 int
