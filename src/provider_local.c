@@ -82,7 +82,8 @@ static int
 open_checked(struct local *lp, const char *name, int flags, kl_error *err)
 {
 	struct stat st;
-	int fd = openat(lp->dirfd, name, flags | O_NOFOLLOW | O_CLOEXEC, 0600);
+	int fd = openat(lp->dirfd, name,
+			flags | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK, 0600);
 
 	if (fd < 0)
 		return -errno;
@@ -142,6 +143,7 @@ static bool
 ticket_alive(struct local *lp, const char *qname, uint64_t n)
 {
 	char tname[48];
+	struct stat st;
 	bool alive;
 	int fd;
 
@@ -149,9 +151,19 @@ ticket_alive(struct local *lp, const char *qname, uint64_t n)
 	/* Read-only: closing it must not raise the inotify event that
 	 * waiters sleep on (IN_CLOSE_WRITE), or waiters would wake each
 	 * other forever. */
-	fd = openat(lp->dirfd, tname, O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+	/* O_NONBLOCK: a FIFO planted in place of a ticket must not hang us
+	 * (with the queue lock held, that would hang the key). */
+	fd = openat(lp->dirfd, tname,
+		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0)
 		return false;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+	    st.st_uid != geteuid()) {
+		/* Not a ticket of ours: no live owner can hold it. */
+		close(fd);
+		unlinkat(lp->dirfd, tname, 0);
+		return false;
+	}
 	alive = flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK;
 	if (!alive)
 		unlinkat(lp->dirfd, tname, 0);
@@ -211,8 +223,12 @@ nap(int ifd, int64_t ms)
 	char buf[4096];
 	struct pollfd pfd = { .fd = ifd, .events = POLLIN };
 
+	/* The deadline may have passed since the caller looked: a negative
+	 * time would make poll wait without limit. */
 	if (ms > POLL_MS)
 		ms = POLL_MS;
+	if (ms < 0)
+		ms = 0;
 	if (ifd < 0) {
 		struct timespec ts = { 0, (long)ms * 1000000 };
 		nanosleep(&ts, NULL);

@@ -495,7 +495,11 @@ waiter_done(void *arg)
 static void
 waiter_join(struct waiter *w)
 {
-	test_poll(waiter_done, w, "a waiter to return");
+	char what[96];
+
+	snprintf(what, sizeof what, "a waiter on '%.40s' (timeout %" PRId64
+		 " ms) to return", w->key, w->timeout_ms);
+	test_poll(waiter_done, w, what);
 	test_thread_join(w->th);
 }
 
