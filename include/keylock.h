@@ -107,7 +107,12 @@ typedef enum {
 } kl_overflow;
 
 #define KL_ERRORCHECK 0x1u /* the holding thread entering again: KL_EDEADLK */
-#define KL_EVENTUAL 0x2u   /* reserved: eventual fairness (not yet built) */
+/* flags: eventual fairness instead of strict FIFO (kl_mutex only).  A leave
+ * wakes the head waiter to compete instead of handing over, so a running
+ * thread may take the mutex first; a head waiter that has waited 1 ms gets
+ * a direct hand-off, which bounds every wait.  Much higher throughput on a
+ * saturated lock.  Fixed at creation. */
+#define KL_EVENTUAL 0x2u
 #define KL_UNBOUNDED SIZE_MAX
 
 typedef struct {
@@ -155,7 +160,8 @@ KL_API void kl_mutex_free(kl_mutex *m);
  * passed at the same moment.  Allocates nothing.  Since 0.1. */
 KL_API int kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c,
 			  kl_token *out) KL_ATTR(warn_unused_result);
-/* Takes it only if it is free and nobody waits (never barges): KL_OK or
+/* Takes it only if it is free and nobody waits (never barges; with
+ * KL_EVENTUAL, whenever it is free): KL_OK or
  * KL_ETIMEDOUT; KL_EDEADLK as for enter; KL_EINVAL for NULL arguments.
  * Same as kl_mutex_enter(m, 0, NULL, out).  Since 0.1. */
 KL_API int kl_mutex_try_enter(kl_mutex *m, kl_token *out)
@@ -175,7 +181,8 @@ KL_API bool kl_mutex_is_locked(kl_mutex *m);
 KL_API size_t kl_mutex_queue_size(kl_mutex *m);
 /* Replaces the options; lowering max_queue evicts at once (FIRST evicts the
  * oldest, THIS and LAST the newest) with KL_EOVERFLOW.  KL_EINVAL for NULL
- * arguments, a bad strategy or unknown flags.  Since 0.1. */
+ * arguments, a bad strategy, unknown flags or a change of KL_EVENTUAL.
+ * Since 0.1. */
 KL_API int kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts);
 /* Copies the options into *out.  KL_EINVAL for NULL arguments.  Since
  * 0.1. */

@@ -103,6 +103,8 @@ struct kl__waiter {
 	int state;         /* enum kl__wstate */
 	int status;        /* with KL_W_DONE */
 	bool spin;         /* may spin before parking */
+	bool front;        /* queue at the head (a woken waiter going back) */
+	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
 	/* Registration on a cancel token (see cancel.c). */
 	struct kl_cancel *cancel;
@@ -128,6 +130,10 @@ KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
  * on return and its data is as the granter left it.  Not a cancellation
  * point, never interrupted by signals.  The caller must then call
  * kl__waiter_finish(w). */
+/* An internal outcome: woken to compete for a lock that was released
+ * rather than handed over (KL_EVENTUAL); the waiter has left the queue. */
+#define KL__RETRY 1
+
 KL_HIDDEN int kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			     int64_t deadline_ns, size_t max_queue,
 			     kl_overflow overflow);

@@ -2,8 +2,8 @@
 /*
  * kl_mutex (AsyncLock): one lock owned by a token, over a wait queue.
  *
- * m->state holds the owner's token id shifted left by one (0: free) and, in
- * bit 0, "someone may be queued".  Without that bit, enter and leave are one
+ * m->state holds the owner's token id shifted left by two (0: free) and, in
+ * bit 0, "someone may be queued" (bit 1 is for KL_EVENTUAL, below).  Without that bit, enter and leave are one
  * compare-and-swap each and never touch m->lock.  A thread that must queue
  * sets the bit under m->lock before it queues, so a holder that leaves
  * afterwards fails its fast-path CAS and takes the slow path, where it hands
@@ -12,6 +12,17 @@
  * cannot barge, and try_enter fails whenever anyone waits.  A stale bit (its
  * waiters timed out) only sends one leave down the slow path, which clears
  * it.
+ *
+ * With KL_EVENTUAL a leave may release instead of handing over: the head
+ * waiter is woken to compete (KL__RETRY), so a running thread may take the
+ * mutex first (barging) and the lock changes owner without a sleep and a
+ * wake-up in between.  While a woken waiter is on its way (WOKEN), leaves
+ * wake nobody else and stay on the fast path; the woken waiter clears the
+ * bit in the same CAS that takes the mutex or marks it QUEUED again.  A head waiter
+ * that has waited STARVE_NS gets a direct hand-off, which bounds every wait.
+ * A woken waiter that loses goes back to the head of the queue.  In this
+ * mode "free" is any state whose owner bits are 0.  The flag is fixed at
+ * creation.
  *
  * m->lock guards the queue and the options.
  */
@@ -22,6 +33,9 @@
 #include "internal.h"
 
 #define QUEUED 1u
+#define WOKEN 2u /* eventual: a woken waiter is on its way to compete */
+#define OWNER_SHIFT 2
+#define STARVE_NS 1000000 /* 1 ms, as Go's mutex starvation mode */
 
 struct kl_mutex {
 	_Atomic uint64_t state;
@@ -34,7 +48,7 @@ struct kl_mutex {
 static pthread_mutex_t defaults_lock = PTHREAD_MUTEX_INITIALIZER;
 static kl_queue_opts defaults = KL_QUEUE_OPTS_INIT;
 
-#define KNOWN_FLAGS KL_ERRORCHECK
+#define KNOWN_FLAGS (KL_ERRORCHECK | KL_EVENTUAL)
 
 static bool
 opts_valid(const kl_queue_opts *o)
@@ -113,20 +127,33 @@ errorcheck(kl_mutex *m)
 	       KL_ERRORCHECK;
 }
 
+static bool
+eventual(const kl_mutex *m)
+{
+	/* Fixed at creation; atomic only because set_opts stores the word. */
+	return __atomic_load_n(&m->opts.flags, __ATOMIC_RELAXED) & KL_EVENTUAL;
+}
+
 /* One attempt to take a free mutex.  Acquire order pairs with the release
- * of the leave that freed it. */
+ * of the leave that freed it.  Only an eventual mutex can be free with the
+ * QUEUED bit set; strict mode needs the whole word 0 (no waiters). */
 static bool
 try_take(kl_mutex *m, uint64_t id)
 {
-	uint64_t expected = 0;
+	uint64_t s = eventual(m) ? atomic_load_explicit(&m->state,
+							 memory_order_relaxed)
+				 : 0;
 
-	return atomic_compare_exchange_strong_explicit(&m->state, &expected,
-						       id << 1,
+	return (s >> OWNER_SHIFT) == 0 &&
+	       atomic_compare_exchange_strong_explicit(&m->state, &s,
+						       s | id << OWNER_SHIFT,
 						       memory_order_acquire,
 						       memory_order_relaxed);
 }
 
-/* Takes m or marks it QUEUED, so that its holder will hand it over.  Lock
+/* Takes m or marks it QUEUED, so that its holder will hand it over, and
+ * clears WOKEN either way (only a woken waiter or a newcomer calls this;
+ * a newcomer clearing it merely lets the next leave wake someone).  Lock
  * held.  KL_OK (taken) or KL_ETIMEDOUT (must queue). */
 static int
 take_or_mark(kl_mutex *m, uint64_t id)
@@ -134,22 +161,49 @@ take_or_mark(kl_mutex *m, uint64_t id)
 	uint64_t s = atomic_load_explicit(&m->state, memory_order_relaxed);
 
 	for (;;) {
-		if (s == 0) {
-			if (try_take(m, id)) {
+		if ((s >> OWNER_SHIFT) == 0) {
+			if (atomic_compare_exchange_weak_explicit(
+				    &m->state, &s,
+				    (s & QUEUED) | id << OWNER_SHIFT,
+				    memory_order_acquire, memory_order_relaxed)) {
 				m->owner_tid = kl__thread_id();
 				return KL_OK;
 			}
-			s = atomic_load_explicit(&m->state,
-						 memory_order_relaxed);
 			continue;
 		}
-		if (s & QUEUED)
+		if ((s & (QUEUED | WOKEN)) == QUEUED)
 			return KL_ETIMEDOUT;
 		if (atomic_compare_exchange_weak_explicit(
-			    &m->state, &s, s | QUEUED, memory_order_relaxed,
-			    memory_order_relaxed))
+			    &m->state, &s, (s | QUEUED) & ~(uint64_t)WOKEN,
+			    memory_order_relaxed, memory_order_relaxed))
 			return KL_ETIMEDOUT;
 	}
+}
+
+/* A waiter of an eventual mutex woken to compete: take the mutex if it is
+ * still free, else go back to the head of the queue.  Returns like
+ * kl__waitq_wait, lock released. */
+static int
+compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
+	int64_t deadline)
+{
+	pthread_mutex_lock(&m->lock);
+	if (take_or_mark(m, id) == KL_OK) {
+		pthread_mutex_unlock(&m->lock);
+		return KL_OK;
+	}
+	/* Back to INIT under the lock: a cancel from now on settles it.  A
+	 * fire that came while it was between queues set the flag first. */
+	w->state = KL_W_INIT;
+	atomic_store_explicit(&w->word, 0, memory_order_relaxed);
+	if (kl_cancel_fired(c)) {
+		w->state = KL_W_DONE;
+		pthread_mutex_unlock(&m->lock);
+		return KL_ECANCELED;
+	}
+	w->front = true;
+	return kl__waitq_wait(&m->q, w, deadline, m->opts.max_queue,
+			      m->opts.overflow);
 }
 
 int
@@ -198,6 +252,8 @@ kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 		w.data = id;
 		rc = kl__waitq_wait(&m->q, &w, deadline, m->opts.max_queue,
 				    m->opts.overflow);
+		while (rc == KL__RETRY)
+			rc = compete(m, &w, id, c, deadline);
 	}
 	if (prepared)
 		kl__waiter_finish(&w);
@@ -222,26 +278,42 @@ kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 	uint64_t expected;
 	void *wake = NULL;
 
-	if (m == NULL || t.id == 0 || t.id > UINT64_MAX >> 1)
+	if (m == NULL || t.id == 0 || t.id > UINT64_MAX >> OWNER_SHIFT)
 		return KL_EINVAL;
-	expected = t.id << 1;
-	/* Release order publishes the critical section to the next owner. */
-	if (!abort_pending && !errorcheck(m) &&
-	    atomic_compare_exchange_strong_explicit(&m->state, &expected, 0,
-						    memory_order_release,
-						    memory_order_relaxed))
-		return KL_OK;
+	/* Fast path: nobody queued, or (eventual) a woken waiter already on
+	 * its way.  Release order publishes the critical section to the next
+	 * owner. */
+	expected = atomic_load_explicit(&m->state, memory_order_relaxed);
+	while (!abort_pending && !errorcheck(m) &&
+	       expected >> OWNER_SHIFT == t.id &&
+	       ((expected & QUEUED) == 0 || (expected & WOKEN) != 0)) {
+		if (atomic_compare_exchange_weak_explicit(
+			    &m->state, &expected,
+			    expected & (QUEUED | WOKEN), memory_order_release,
+			    memory_order_relaxed))
+			return KL_OK;
+	}
 	pthread_mutex_lock(&m->lock);
-	if ((atomic_load_explicit(&m->state, memory_order_relaxed) >> 1) !=
-	    t.id) {
+	if ((atomic_load_explicit(&m->state, memory_order_relaxed) >>
+	     OWNER_SHIFT) != t.id) {
 		pthread_mutex_unlock(&m->lock);
 		return KL_EINVAL;
 	}
 	if (abort_pending)
 		kl__waitq_fail_all(&m->q, KL_ECANCELED);
-	if ((w = kl__waitq_grant_head(&m->q)) != NULL) {
+	if ((w = kl__waitq_grant_head(&m->q)) != NULL && eventual(m) &&
+	    kl__now_ns() - w->since_ns < STARVE_NS) {
+		/* Release, and let the head compete with running threads. */
+		w->state = KL_W_DONE;
+		w->status = KL__RETRY;
 		atomic_store_explicit(&m->state,
-				      (w->data << 1) |
+				      (m->q.len != 0 ? QUEUED : 0) | WOKEN,
+				      memory_order_release);
+		m->owner_tid = 0;
+		wake = kl__waiter_settle(w);
+	} else if (w != NULL) {
+		atomic_store_explicit(&m->state,
+				      (w->data << OWNER_SHIFT) |
 					      (m->q.len != 0 ? QUEUED : 0),
 				      memory_order_release);
 		m->owner_tid = w->tid;
@@ -296,7 +368,8 @@ kl_mutex_queue_size(kl_mutex *m)
 int
 kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts)
 {
-	if (m == NULL || opts == NULL || !opts_valid(opts))
+	if (m == NULL || opts == NULL || !opts_valid(opts) ||
+	    (opts->flags & KL_EVENTUAL) != (m->opts.flags & KL_EVENTUAL))
 		return KL_EINVAL;
 	pthread_mutex_lock(&m->lock);
 	m->opts.max_queue = opts->max_queue;

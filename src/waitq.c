@@ -233,6 +233,8 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->state = KL_W_INIT;
 	w->status = KL_OK;
 	w->spin = false;
+	w->front = false;
+	w->since_ns = 0;
 	w->cancel = NULL;
 	w->cnext = w->cprev = NULL;
 	w->tid = kl__thread_id();
@@ -254,13 +256,23 @@ static void
 append(struct kl__waitq *q, struct kl__waiter *w)
 {
 	w->q = q;
-	w->next = NULL;
-	w->prev = q->tail;
-	if (q->tail != NULL)
-		q->tail->next = w;
-	else
+	if (w->front) {
+		w->prev = NULL;
+		w->next = q->head;
+		if (q->head != NULL)
+			q->head->prev = w;
+		else
+			q->tail = w;
 		q->head = w;
-	q->tail = w;
+	} else {
+		w->next = NULL;
+		w->prev = q->tail;
+		if (q->tail != NULL)
+			q->tail->next = w;
+		else
+			q->head = w;
+		q->tail = w;
+	}
 	q->len++;
 	w->state = KL_W_WAITING;
 }
@@ -308,7 +320,9 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		pthread_mutex_unlock(q->lock);
 		return w->status;
 	}
-	if (q->len >= max_queue) {
+	/* A waiter going back to the head was admitted before: no overflow
+	 * check for it. */
+	if (!w->front && q->len >= max_queue) {
 		if (max_queue == 0 || overflow == KL_OVERFLOW_THIS) {
 			pthread_mutex_unlock(q->lock);
 			return KL_EOVERFLOW;
@@ -320,6 +334,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	w->expire_ns = kl__cancel_deadline(w->cancel);
 	if (deadline_ns < w->expire_ns)
 		w->expire_ns = deadline_ns;
+	if (w->since_ns == 0)
+		w->since_ns = kl__now_ns();
 	append(q, w);
 	KL_YIELD("enqueue");
 	/* Spin only as the head, and only while the holder and this waiter

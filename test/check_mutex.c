@@ -1588,6 +1588,130 @@ START_TEST(test_fifo_under_contention)
 }
 END_TEST
 
+
+/* ------------------------------------------------------------------ */
+/* KL_EVENTUAL: barging allowed, starvation bounded */
+
+static kl_mutex *
+new_eventual(void)
+{
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
+	kl_mutex *m;
+
+	o.flags = KL_EVENTUAL;
+	ck_assert_int_eq(kl_mutex_new(&m, &o), KL_OK);
+	return m;
+}
+
+struct ev_stress {
+	kl_mutex *m;
+	long iters;
+	long counter; /* plain: guarded by m */
+	atomic_long violations;
+	atomic_long done;
+};
+
+static void *
+ev_stress_worker(void *arg)
+{
+	struct ev_stress *st = arg;
+	kl_token t;
+
+	for (long i = 0; i < st->iters; i++) {
+		if (kl_mutex_enter(st->m, KL_FOREVER, NULL, &t) != KL_OK) {
+			atomic_fetch_add(&st->violations, 1);
+			continue;
+		}
+		for (int k = 0; k < 10; k++)
+			st->counter++;
+		if (st->counter != 10)
+			atomic_fetch_add(&st->violations, 1);
+		st->counter = 0;
+		if (kl_mutex_leave(st->m, t, false) != KL_OK)
+			atomic_fetch_add(&st->violations, 1);
+		atomic_fetch_add(&st->done, 1);
+	}
+	return NULL;
+}
+
+START_TEST(test_eventual_mutual_exclusion)
+{
+	struct ev_stress st = { .iters = kl_test_scaled(100000, 1000) };
+	pthread_t t[4];
+
+	st.m = new_eventual();
+	atomic_init(&st.violations, 0);
+	atomic_init(&st.done, 0);
+	for (int i = 0; i < 4; i++)
+		test_thread_start(&t[i], ev_stress_worker, &st);
+	for (int i = 0; i < 4; i++)
+		pthread_join(t[i], NULL);
+	ck_assert_int_eq(atomic_load(&st.violations), 0);
+	ck_assert_int_eq(atomic_load(&st.done), 4 * st.iters);
+	ck_assert(!kl_mutex_is_locked(st.m));
+	ck_assert_uint_eq(kl_mutex_queue_size(st.m), 0);
+	kl_mutex_free(st.m);
+}
+END_TEST
+
+START_TEST(test_eventual_starved_waiter_gets_hand_off)
+{
+	kl_mutex *m = new_eventual();
+	struct tw_group *g = tw_mutex(m, false);
+	kl_token t, t2;
+
+	ck_assert_int_eq(kl_mutex_enter(m, 0, NULL, &t), KL_OK);
+	tw_start_queued(g, KL_FOREVER, NULL);
+	/* Past the 1 ms starvation bound, the leave must hand over. */
+	while (now_ns() - g->w[0].start_ns < 3000000)
+		test_sleep_ms(1);
+	ck_assert_int_eq(kl_mutex_leave(m, t, false), KL_OK);
+	ck_assert_int_eq(kl_mutex_try_enter(m, &t2), KL_ETIMEDOUT);
+	ck_assert_int_eq(tw_pass(g), 0);
+	tw_free(g);
+	ck_assert(!kl_mutex_is_locked(m));
+	kl_mutex_free(m);
+}
+END_TEST
+
+START_TEST(test_eventual_serves_every_waiter)
+{
+	kl_mutex *m = new_eventual();
+	struct tw_group *g = tw_mutex(m, true);
+	kl_token t;
+
+	ck_assert_int_eq(kl_mutex_enter(m, 0, NULL, &t), KL_OK);
+	tw_start_n_queued(g, 8, KL_FOREVER, NULL);
+	ck_assert_int_eq(kl_mutex_leave(m, t, false), KL_OK);
+	tw_wait_granted(g, 8);
+	tw_join_all(g);
+	for (int i = 0; i < 8; i++) {
+		ck_assert_int_eq(g->w[i].status, KL_OK);
+		ck_assert_int_eq(g->w[i].leave_status, KL_OK);
+	}
+	tw_free(g);
+	ck_assert(!kl_mutex_is_locked(m));
+	ck_assert_uint_eq(kl_mutex_queue_size(m), 0);
+	kl_mutex_free(m);
+}
+END_TEST
+
+START_TEST(test_eventual_fixed_at_creation)
+{
+	kl_mutex *m = new_eventual(), *s;
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
+
+	ck_assert_int_eq(kl_mutex_set_opts(m, &o), KL_EINVAL);
+	o.flags = KL_EVENTUAL;
+	o.max_queue = 4;
+	ck_assert_int_eq(kl_mutex_set_opts(m, &o), KL_OK);
+	ck_assert_int_eq(kl_mutex_new(&s, NULL), KL_OK);
+	ck_assert_int_eq(kl_mutex_set_opts(s, &o), KL_EINVAL);
+	kl_mutex_free(s);
+	kl_mutex_free(m);
+}
+END_TEST
+
 static Suite *
 mutex_suite(void)
 {
@@ -1665,6 +1789,14 @@ mutex_suite(void)
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_stress_mutual_exclusion);
 	tcase_add_test(tc, test_fifo_under_contention);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("eventual");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_eventual_mutual_exclusion);
+	tcase_add_test(tc, test_eventual_starved_waiter_gets_hand_off);
+	tcase_add_test(tc, test_eventual_serves_every_waiter);
+	tcase_add_test(tc, test_eventual_fixed_at_creation);
 	suite_add_tcase(s, tc);
 	return s;
 }
