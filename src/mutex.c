@@ -240,7 +240,12 @@ kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 		prepared = true;
 	}
 	pthread_mutex_lock(&m->lock);
-	if ((rc = take_or_mark(m, id)) == KL_OK) {
+	/* A fire between registering and here settled the waiter already:
+	 * once kl_cancel_fire has returned, nothing may be granted to it. */
+	if (prepared && w.state == KL_W_DONE) {
+		pthread_mutex_unlock(&m->lock);
+		rc = w.status;
+	} else if ((rc = take_or_mark(m, id)) == KL_OK) {
 		pthread_mutex_unlock(&m->lock);
 	} else if (ec && m->owner_tid == kl__thread_id()) {
 		pthread_mutex_unlock(&m->lock);

@@ -100,6 +100,12 @@ kl_reset_event_wait(kl_reset_event *e, int64_t timeout_ms, kl_cancel *c)
 		if ((rc = kl__waiter_prepare(&w, &e->lock, c)) != KL_OK)
 			return rc;
 		pthread_mutex_lock(&e->lock);
+		/* A fire since registering settled it: no release now. */
+		if (w.state == KL_W_DONE) {
+			pthread_mutex_unlock(&e->lock);
+			kl__waiter_finish(&w);
+			return w.status;
+		}
 		if (e->signaled) {
 			spend(e);
 			pthread_mutex_unlock(&e->lock);

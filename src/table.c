@@ -217,6 +217,12 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		prepared = true;
 	}
 	pthread_mutex_lock(&s->lock);
+	/* A fire between registering and here settled the waiter already:
+	 * once kl_cancel_fire has returned, nothing may be granted to it. */
+	if (prepared && w.state == KL_W_DONE) {
+		rc = w.status;
+		goto unlock;
+	}
 	if ((e = find(s, h, key, len)) == NULL) {
 		if ((rc = insert(t, s, h, key, len, &e)) == KL_OK) {
 			*out = e;

@@ -29,7 +29,7 @@ KL_HIDDEN void kl__table_free(struct kl__table *t);
  * (KL_NO_DEADLINE: forever; a deadline in the past: try once) or c fires.
  * KL_OK with *out (the entry, to pass to release) and *fence (grows with
  * every grant of the key while the entry lives, and across entries: it is
- * taken from a table-wide counter); KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
+ * taken from the key's shard's counter); KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
  * (flags KL_ERRORCHECK and this thread holds it), KL_ENOMEM. */
 KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
 				size_t len, int64_t deadline_ns, kl_cancel *c,

@@ -557,7 +557,8 @@ END_TEST
 struct firer {
 	pthread_t th;
 	kl_cancel *c;
-	atomic_bool *go;
+	atomic_bool ready;
+	atomic_bool go;
 };
 
 static void *
@@ -565,10 +566,19 @@ firer_main(void *arg)
 {
 	struct firer *f = arg;
 
-	while (!atomic_load(f->go))
+	atomic_store(&f->ready, true);
+	while (!atomic_load(&f->go))
 		; /* spin: the point is to race the release */
 	kl_cancel_fire(f->c);
 	return NULL;
+}
+
+static bool
+firer_ready(void *arg)
+{
+	struct firer *f = arg;
+
+	return atomic_load(&f->ready);
 }
 
 START_TEST(test_cancel_races_grant)
@@ -581,18 +591,19 @@ START_TEST(test_cancel_races_grant)
 
 	for (long i = 0; i < rounds; i++) {
 		kl_lease *lease = NULL;
-		atomic_bool go = false;
 		struct firer f;
 		struct lw w;
 
 		memset(&w, 0, sizeof w);
 		ck_assert_int_eq(kl_cancel_new(&f.c), KL_OK);
-		f.go = &go;
+		atomic_init(&f.ready, false);
+		atomic_init(&f.go, false);
 		ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
 		lw_start(&w, l, NULL, f.c);
 		wait_queue(p, "race", 1);
 		test_thread_start(&f.th, firer_main, &f);
-		atomic_store(&go, true);
+		test_poll(firer_ready, &f, "the firing thread to spin");
+		atomic_store(&f.go, true);
 		kl_lease_release(lease);
 		lw_join(&w);
 		test_thread_join(f.th);
@@ -602,9 +613,11 @@ START_TEST(test_cancel_races_grant)
 			cancelled++;
 		else
 			bad++;
-		if (!key_free(p, "race"))
-			stuck++;
 		kl_cancel_free(f.c);
+		if (!key_free(p, "race")) {
+			stuck++;
+			break; /* the next round could only hang */
+		}
 	}
 	ck_assert_msg(bad == 0, "%ld rounds with a wrong outcome", bad);
 	ck_assert_msg(stuck == 0, "%ld rounds left the key held", stuck);
@@ -726,6 +739,7 @@ START_TEST(test_events_without_internal_lock)
 	atomic_int ran = 0;
 	struct probe pr;
 	kl_lock *l, *l0;
+	int calls, failures;
 
 	memset(&pr, 0, sizeof pr);
 	pr.p = s;
@@ -745,8 +759,11 @@ START_TEST(test_events_without_internal_lock)
 	ck_assert_int_eq(atomic_load(&pr.types[KL_EV_REJECTED]), 1);
 	kl_lease_release(lease);
 
-	ck_assert_int_eq(atomic_load(&pr.calls), 3);
-	ck_assert_int_eq(atomic_load(&pr.failures), 0);
+	calls = atomic_load(&pr.calls);
+	failures = atomic_load(&pr.failures);
+	ck_assert_int_eq(calls, 3);
+	ck_assert_msg(failures == 0, "%d probes failed in callbacks",
+		      failures);
 	ck_assert_int_eq(atomic_load(&ran), 1);
 	ck_assert(key_free(s, "ev:main"));
 	kl_lock_free(h);
@@ -1185,7 +1202,7 @@ START_TEST(test_mutual_exclusion_stress)
 {
 	struct stress_worker w[STRESS_THREADS];
 	struct stress *s = calloc(1, sizeof *s);
-	long sum = 0;
+	long sum = 0, errors, violations;
 
 	ck_assert_ptr_nonnull(s);
 	s->p = private_provider();
@@ -1199,10 +1216,11 @@ START_TEST(test_mutual_exclusion_stress)
 	}
 	for (int i = 0; i < STRESS_THREADS; i++)
 		test_thread_join(w[i].th);
-	ck_assert_int_eq(atomic_load(&s->errors), 0);
-	ck_assert_msg(atomic_load(&s->violations) == 0,
-		      "%ld mutual exclusion violations",
-		      atomic_load(&s->violations));
+	errors = atomic_load(&s->errors);
+	violations = atomic_load(&s->violations);
+	ck_assert_msg(errors == 0, "%ld runs failed", errors);
+	ck_assert_msg(violations == 0, "%ld mutual exclusion violations",
+		      violations);
 	for (int k = 0; k < STRESS_KEYS; k++)
 		sum += s->total[k];
 	ck_assert_int_eq(sum, s->iters * STRESS_THREADS);

@@ -230,43 +230,46 @@ open_fails(const char *uri, int want)
 	ck_assert_ptr_null(p);
 }
 
-/* True when the separately built provider library can be loaded here, in
- * which case opening its scheme may get further than "not installed". */
+/* True when the separately built provider library loads from the usual
+ * library path (installed), in which case opening its scheme would get
+ * further than "not installed". */
 static bool
 library_installed(const char *base)
 {
-	const char *suffixes[] = { ".so.0", ".so" };
+	char name[64];
+	void *h;
 
-	for (size_t i = 0; i < sizeof suffixes / sizeof suffixes[0]; i++) {
-		char name[64];
-		void *h;
-
-		snprintf(name, sizeof name, "%s%s", base, suffixes[i]);
-		h = dlopen(name, RTLD_LAZY | RTLD_LOCAL);
-		if (h != NULL) {
-			dlclose(h);
-			return true;
-		}
-	}
-	return false;
+	snprintf(name, sizeof name, "%s.so.0", base);
+	h = dlopen(name, RTLD_LAZY | RTLD_LOCAL);
+	if (h != NULL)
+		dlclose(h);
+	return h != NULL;
 }
 
+/* Opening a scheme whose library cannot be loaded: KL_EPROVIDER, with a
+ * message naming the library.  The build tree's copy (KEYLOCK_PROVIDER_DIR,
+ * set by make check) is hidden for the call; an installed copy makes the
+ * case untestable here, and its own suite covers it (no call is made then:
+ * it would go to the network). */
 static void
 open_needs_library(const char *uri, const char *library)
 {
-	kl_provider *p = NULL;
+	const char *env = getenv("KEYLOCK_PROVIDER_DIR");
+	char *saved = env != NULL ? strdup(env) : NULL;
+	kl_provider *p = (kl_provider *)&p;
 	kl_error err;
 	int rc;
 
+	if (library_installed(library)) {
+		free(saved);
+		return;
+	}
+	unsetenv("KEYLOCK_PROVIDER_DIR");
 	memset(&err, 0, sizeof err);
 	rc = kl_provider_open(&p, uri, &err);
-	if (library_installed(library)) {
-		/* A server may even be listening: only no crash is asked. */
-		if (rc == KL_OK)
-			kl_provider_free(p);
-		else
-			ck_assert_ptr_null(p);
-		return;
+	if (saved != NULL) {
+		setenv("KEYLOCK_PROVIDER_DIR", saved, 1);
+		free(saved);
 	}
 	ck_assert_int_eq(rc, KL_EPROVIDER);
 	ck_assert_ptr_null(p);

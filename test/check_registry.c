@@ -36,7 +36,7 @@ struct nw {
 	kl_cancel *c;
 	atomic_int *next_seq; /* grant ranks, may be NULL */
 	atomic_int *inside;   /* threads in the section, may be NULL */
-	atomic_bool *gate;    /* fn waits for it before measuring, may be NULL */
+	atomic_bool *gate;    /* fn waits for it, may be NULL */
 	/* Outputs. */
 	int rc;
 	int seq;

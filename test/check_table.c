@@ -437,6 +437,34 @@ START_TEST(test_cancel_leaves_queue)
 }
 END_TEST
 
+/* A token that fires by itself ends the wait with KL_ECANCELED, not
+ * KL_ETIMEDOUT, and never early. */
+START_TEST(test_cancel_token_timeout)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e;
+	struct tthread w;
+	kl_cancel *c;
+	int64_t fires;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	fires = now_ns() + 50 * 1000000LL;
+	ck_assert_int_eq(kl_cancel_new_timeout(&c, 50), KL_OK);
+	w.cancel = c;
+	tthread_start(&w, t, "k", 1, KL_NO_DEADLINE);
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_ECANCELED);
+	ck_assert_int_ge(w.end_ns, fires);
+	ck_assert_int_lt(w.end_ns - fires, 5000 * 1000000LL);
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 0);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl_cancel_free(c);
+	kl__table_free(t);
+}
+END_TEST
+
 /* A token fired before the call: KL_ECANCELED at once, free key or not,
  * and no entry is left behind. */
 START_TEST(test_cancel_prefired)
@@ -499,7 +527,9 @@ race_main(void *arg)
 		x ^= x >> 17;
 		x ^= x << 5;
 		k = (int)(x % (uint32_t)r->nkeys);
-		if (kl__table_acquire(r->t, race_keys[k], 4, KL_NO_DEADLINE,
+		/* Bounded, so that a lost entry fails the test in 30 s
+		 * instead of hanging it. */
+		if (kl__table_acquire(r->t, race_keys[k], 4, in_ms(30000),
 				      NULL, 0, &e, &fence) != KL_OK) {
 			atomic_fetch_add(&r->errors, 1);
 			continue;
@@ -524,6 +554,7 @@ START_TEST(test_last_release_races_acquire)
 	struct race_worker w[RACE_THREADS];
 	struct race r;
 	struct kl__table_stats st;
+	long errors, violations, fence_errors;
 
 	for (int nkeys = 2; nkeys <= RACE_MAX_KEYS; nkeys++) {
 		memset(&r, 0, sizeof r);
@@ -537,11 +568,17 @@ START_TEST(test_last_release_races_acquire)
 		}
 		for (int i = 0; i < RACE_THREADS; i++)
 			test_thread_join(w[i].th);
-		ck_assert_int_eq(atomic_load(&r.errors), 0);
-		ck_assert_msg(atomic_load(&r.violations) == 0,
+		errors = atomic_load(&r.errors);
+		violations = atomic_load(&r.violations);
+		fence_errors = atomic_load(&r.fence_errors);
+		ck_assert_msg(errors == 0, "%ld acquires failed on %d keys",
+			      errors, nkeys);
+		ck_assert_msg(violations == 0,
 			      "%ld mutual exclusion violations on %d keys",
-			      atomic_load(&r.violations), nkeys);
-		ck_assert_int_eq(atomic_load(&r.fence_errors), 0);
+			      violations, nkeys);
+		ck_assert_msg(fence_errors == 0,
+			      "%ld fences did not grow on %d keys",
+			      fence_errors, nkeys);
 		ck_assert_uint_eq(kl__table_size(r.t), 0);
 		kl__table_stats(r.t, &st);
 		ck_assert_uint_eq(st.entries, 0);
@@ -990,6 +1027,7 @@ table_suite(void)
 	tcase_add_test(tc, test_deadline_times_out_and_leaves);
 	tcase_add_test(tc, test_errorcheck_reacquire);
 	tcase_add_test(tc, test_cancel_leaves_queue);
+	tcase_add_test(tc, test_cancel_token_timeout);
 	tcase_add_test(tc, test_cancel_prefired);
 	suite_add_tcase(s, tc);
 
