@@ -138,7 +138,8 @@ typedef struct kl_mutex kl_mutex;
 
 /* The process-wide defaults used when opts is NULL (AsyncLock.defaultOptions)
  * and for new named locks.  Thread-safe.  set_default returns nothing and
- * ignores NULL or an invalid overflow value.  Since 0.1. */
+ * ignores NULL or invalid options (a bad overflow value, unknown flags).
+ * Since 0.1. */
 KL_API void kl_queue_opts_default(kl_queue_opts *out);
 KL_API void kl_queue_opts_set_default(const kl_queue_opts *in);
 
@@ -286,7 +287,9 @@ typedef struct {
  *   the provider's default.  flags may hold KL_ERRORCHECK.  On KL_OK set
  *   *lease to the provider's handle and *fence to a number that grows with
  *   every grant of that key.  Otherwise KL_ETIMEDOUT, KL_ECANCELED,
- *   KL_EDEADLK, KL_ENOMEM or KL_EPROVIDER with err (may be NULL) filled.
+ *   KL_EDEADLK, KL_EINVAL (a request it does not support, such as
+ *   KL_ERRORCHECK), KL_ENOMEM or KL_EPROVIDER, with err (may be NULL)
+ *   filled.
  * release: give the lease back; KL_OK or a status with err filled.  The
  *   handle is invalid afterwards whatever the status.
  * valid: false once a lease was lost (NULL member: always true).

@@ -4,6 +4,7 @@
 
 dist_man_MANS = \
 	man/keylock.1 \
+	man/keylock-bench.1 \
 	man/keylock.3 \
 	man/kl_cancel.3 \
 	man/kl_mutex.3 \
@@ -50,6 +51,7 @@ dist_man_MANS = \
 	man/kl_provider_free.3 \
 	man/kl_provider_new.3 \
 	man/kl_provider_open.3 \
+	man/kl_provider_status.3 \
 	man/kl_queue_opts_default.3 \
 	man/kl_queue_opts_set_default.3 \
 	man/kl_registry_free.3 \
@@ -64,3 +66,12 @@ dist_man_MANS = \
 	man/kl_strerror.3 \
 	man/kl_token_elapsed_ms.3 \
 	man/kl_version.3
+
+# The PostgreSQL provider (libkeylock-pg).
+dist_man_MANS += \
+	man/kl_pg_provider_open.3 \
+	man/kl_pg_key_id.3
+
+# The Redis provider (libkeylock-redis).
+dist_man_MANS += \
+	man/kl_redis_provider_open.3

@@ -353,8 +353,11 @@ kl_mutex_run(kl_mutex *m, int64_t timeout_ms, kl_cancel *c,
 bool
 kl_mutex_is_locked(kl_mutex *m)
 {
+	/* Owner bits only: an eventual mutex may be free with QUEUED or
+	 * WOKEN set. */
 	return m != NULL &&
-	       atomic_load_explicit(&m->state, memory_order_acquire) != 0;
+	       (atomic_load_explicit(&m->state, memory_order_acquire) >>
+		OWNER_SHIFT) != 0;
 }
 
 size_t
