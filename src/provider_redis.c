@@ -1,0 +1,1097 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The Redis provider (libkeylock-redis): keyed FIFO locks shared by every
+ * client of one Redis server.  The data model and its invariants are
+ * described above the scripts in redis_conn.c; this file is the client side.
+ *
+ * Acquire: one atomic script per attempt either grants the key (the caller
+ * is the first live waiter, or nobody live waits) or puts the caller's
+ * random token in the key's queue.  A queued waiter then blocks on its own
+ * connection in BLPOP on its wake list, in slices of WAKE_SLICE_MS so that
+ * a fired cancel token or its deadline is noticed quickly, and tries again
+ * when woken or every recheck interval, which also refreshes its heartbeat.
+ * Giving up runs the leave script: out of the queue, and a key granted in a
+ * race (a lost reply) is released and passed on, so each wait ends in
+ * exactly one outcome.
+ *
+ * Leases: a provider thread renews every held lease at a third of its ttl
+ * with a compare-and-PEXPIRE script.  A lease is lost when a renewal finds
+ * the key gone or taken, when no renewal succeeded before the lease would
+ * have expired, or when the server restarted without durable persistence
+ * (its INFO run_id changed); the thread then calls the lease's watch
+ * callback once, with no lock held.
+ *
+ * Restarts: a server that restarted without appendfsync always has lost
+ * every lock while their old holders may still believe they hold them, so
+ * no lock is granted until the server has been up for the restart guard
+ * (by default the longest ttl in use).  A waiter whose connection breaks
+ * reconnects once; if the server restarted meanwhile, the wait ends with
+ * KL_EPROVIDER.
+ *
+ * Connections: an idle pool of conf.pool connections, shared by all
+ * threads; a waiter keeps its connection for its whole wait, so more are
+ * opened while many wait.  A connection that failed or timed out is closed,
+ * never put back.  The renewal thread has a connection of its own.
+ *
+ * Locking: one mutex, r->mu, guards the pool, the server identity (run_id,
+ * epoch), the list of held leases and each lease's mutable state.  No
+ * network I/O and no callback runs with it held.  r->cv wakes the renewal
+ * thread and tells a releasing thread that a lost callback has returned.
+ */
+#include "config.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "redis_internal.h"
+
+#define MIN_TTL_MS 100
+#define WAKE_SLICE_MS 50    /* longest BLPOP: bounds the cancel latency */
+#define RECHECK_MAX_MS 250  /* longest time between two attempts */
+#define RECHECK_MIN_MS 25
+#define GRACE_MS 100        /* a wait's commands end by its deadline + this */
+#define RETRY_GAP_MAX_MS 250 /* between renewal attempts after an error */
+#define FENCE_KEEP_MS 86400000 /* the fence counter outlives idle keys */
+#define TOKEN_BYTES 16
+#define MAX_RECONNECTS 2    /* consecutive, within one wait */
+
+#define MS (INT64_C(1000000))
+
+enum { K_LOCK, K_QUEUE, K_HB, K_FENCE, K_WAKE, K_COUNT };
+
+/* The Redis key names of one lock key (K_WAKE only with a token). */
+struct names {
+	char *buf;
+	const char *k[K_COUNT];
+	size_t len[K_COUNT];
+};
+
+struct lease {
+	struct lease *prev, *next; /* r->leases, while held */
+	bool linked;
+	char tok[2 * TOKEN_BYTES + 1];
+	struct names n;
+	int64_t ttl_ms;
+	uint64_t epoch; /* r->epoch when granted */
+	/* Under r->mu. */
+	int64_t renew_at;    /* ns: next renewal */
+	int64_t valid_until; /* ns: the key surely exists until then */
+	bool lost, released, notified, in_cb;
+	pthread_t cb_thread;
+	void (*lost_fn)(void *ctx);
+	void *ctx;
+	int refs; /* the owner, plus the renewal thread while it uses it */
+};
+
+struct redis {
+	struct kl__redis_conf conf;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	pid_t pid;
+	bool thread_started;
+	pthread_t thread;
+	struct kl__rconn *rconn; /* the renewal thread's alone */
+	/* Under mu. */
+	struct kl__rconn **idle;
+	size_t nidle;
+	char run_id[41];
+	uint64_t epoch;     /* restarts seen */
+	int64_t max_ttl_ms; /* longest ttl used: the automatic restart guard */
+	struct lease *leases;
+	bool stopping;
+};
+
+/* ------------------------------------------------------------------ */
+/* Names and leases                                                    */
+
+static void
+names_free(struct names *n)
+{
+	free(n->buf);
+	n->buf = NULL;
+}
+
+/* PREFIX{sha256(key)} and its companions; the wake list needs tok. */
+static int
+names_make(const struct redis *r, const char *key, size_t key_len,
+	   const char *tok, struct names *n)
+{
+	static const char *const suffix[K_COUNT] = { "", ":q", ":hb", ":f",
+						     ":w:" };
+	char hex[65];
+	size_t base = r->conf.prefix_len + 66, total = 0, toklen;
+	char *p;
+	int i;
+
+	toklen = tok != NULL ? strlen(tok) : 0;
+	for (i = 0; i < K_COUNT; i++)
+		total += base + strlen(suffix[i]) + 1;
+	total += toklen;
+	if ((n->buf = malloc(total)) == NULL)
+		return KL_ENOMEM;
+	kl__redis_sha256_hex(key, key_len, hex);
+	p = n->buf;
+	for (i = 0; i < K_COUNT; i++) {
+		size_t sl = strlen(suffix[i]);
+
+		n->k[i] = p;
+		memcpy(p, r->conf.prefix, r->conf.prefix_len);
+		p += r->conf.prefix_len;
+		*p++ = '{';
+		memcpy(p, hex, 64);
+		p += 64;
+		*p++ = '}';
+		memcpy(p, suffix[i], sl);
+		p += sl;
+		if (i == K_WAKE && toklen > 0) {
+			memcpy(p, tok, toklen);
+			p += toklen;
+		}
+		n->len[i] = (size_t)(p - n->k[i]);
+		*p++ = '\0';
+	}
+	return KL_OK;
+}
+
+static int
+lease_new(struct redis *r, const char *key, size_t key_len, int64_t ttl_ms,
+	  struct lease **out, kl_error *err)
+{
+	static const char hex[] = "0123456789abcdef";
+	unsigned char raw[TOKEN_BYTES];
+	struct lease *l;
+
+	*out = NULL;
+	if ((l = calloc(1, sizeof *l)) == NULL)
+		return KL_ENOMEM;
+	if (!kl__redis_random(raw, sizeof raw)) {
+		free(l);
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: no random bytes for a "
+				"token");
+		return KL_EPROVIDER;
+	}
+	for (int i = 0; i < TOKEN_BYTES; i++) {
+		l->tok[2 * i] = hex[raw[i] >> 4];
+		l->tok[2 * i + 1] = hex[raw[i] & 15];
+	}
+	if (names_make(r, key, key_len, l->tok, &l->n) != KL_OK) {
+		free(l);
+		return KL_ENOMEM;
+	}
+	l->ttl_ms = ttl_ms;
+	l->refs = 1;
+	*out = l;
+	return KL_OK;
+}
+
+/* Drops a reference; mu held when the lease may be shared. */
+static void
+lease_unref(struct lease *l)
+{
+	if (--l->refs > 0)
+		return;
+	names_free(&l->n);
+	free(l);
+}
+
+static void
+lease_link(struct redis *r, struct lease *l)
+{
+	l->prev = NULL;
+	l->next = r->leases;
+	if (r->leases != NULL)
+		r->leases->prev = l;
+	r->leases = l;
+	l->linked = true;
+}
+
+static void
+lease_unlink(struct redis *r, struct lease *l)
+{
+	if (!l->linked)
+		return;
+	if (l->prev != NULL)
+		l->prev->next = l->next;
+	else
+		r->leases = l->next;
+	if (l->next != NULL)
+		l->next->prev = l->prev;
+	l->linked = false;
+}
+
+/* How long before its expiry in Redis a lease stops counting as valid:
+ * allows for the two clocks running at slightly different rates. */
+static int64_t
+drift_ns(int64_t ttl_ms)
+{
+	return (ttl_ms / 100 + 2) * MS;
+}
+
+/* ------------------------------------------------------------------ */
+/* Connections                                                         */
+
+/* Records which server c reached.  A changed run_id is a restart: count
+ * it, and unless the server keeps every write (appendfsync always), the
+ * leases granted before it are gone. */
+static void
+note_server(struct redis *r, struct kl__rconn *c)
+{
+	pthread_mutex_lock(&r->mu);
+	if (r->run_id[0] == '\0') {
+		memcpy(r->run_id, c->run_id, sizeof r->run_id);
+	} else if (strcmp(r->run_id, c->run_id) != 0) {
+		memcpy(r->run_id, c->run_id, sizeof r->run_id);
+		r->epoch++;
+		if (!c->persistent) {
+			for (struct lease *l = r->leases; l != NULL;
+			     l = l->next)
+				if (l->epoch < r->epoch)
+					l->lost = true;
+			pthread_cond_broadcast(&r->cv);
+		}
+	}
+	c->epoch = r->epoch;
+	pthread_mutex_unlock(&r->mu);
+}
+
+static int
+conn_new(struct redis *r, int64_t cap_ns, struct kl__rconn **out,
+	 kl_error *err)
+{
+	int rc = kl__rconn_open(&r->conf, cap_ns, out, err);
+
+	if (rc == KL_OK)
+		note_server(r, *out);
+	return rc;
+}
+
+/* A pooled connection, else a new one made by cap_ns. */
+static int
+conn_get(struct redis *r, int64_t cap_ns, struct kl__rconn **out,
+	 kl_error *err)
+{
+	struct kl__rconn *c = NULL;
+	pid_t pid = getpid();
+
+	pthread_mutex_lock(&r->mu);
+	while (c == NULL && r->nidle > 0) {
+		c = r->idle[--r->nidle];
+		/* Inherited over fork(): the parent owns that socket. */
+		if (c->pid != pid) {
+			kl__rconn_close(c);
+			c = NULL;
+		}
+	}
+	pthread_mutex_unlock(&r->mu);
+	if (c != NULL) {
+		*out = c;
+		return KL_OK;
+	}
+	return conn_new(r, cap_ns, out, err);
+}
+
+static void
+conn_put(struct redis *r, struct kl__rconn *c)
+{
+	if (c == NULL)
+		return;
+	if (!c->broken && c->pid == getpid()) {
+		pthread_mutex_lock(&r->mu);
+		if (r->nidle < r->conf.pool) {
+			r->idle[r->nidle++] = c;
+			c = NULL;
+		}
+		pthread_mutex_unlock(&r->mu);
+	}
+	kl__rconn_close(c);
+}
+
+/* Replaces a broken *cp with a new connection, made by cap_ns. */
+static int
+conn_replace(struct redis *r, struct kl__rconn **cp, int64_t cap_ns,
+	     kl_error *err)
+{
+	kl__rconn_close(*cp);
+	*cp = NULL;
+	return conn_new(r, cap_ns, cp, err);
+}
+
+/* The deadline of one command of a wait: the command timeout, but no later
+ * than the wait's deadline plus GRACE_MS (plus extra_ns the server itself
+ * blocks), so that a stalled server cannot hold a waiter much past its
+ * timeout. */
+static int64_t
+cmd_deadline(const struct redis *r, int64_t wait_deadline, int64_t extra_ns)
+{
+	int64_t now = kl__redis_now_ns();
+	int64_t d = now + extra_ns + r->conf.timeout_ms * MS, cap;
+
+	if (wait_deadline != KL_R_NO_DEADLINE) {
+		cap = (wait_deadline > now ? wait_deadline : now) +
+		      GRACE_MS * MS + extra_ns;
+		if (cap < d)
+			d = cap;
+	}
+	return d;
+}
+
+/* No grants while the server may have lost locks that old holders still
+ * believe they hold (see the file comment). */
+static int
+check_guard(struct redis *r, struct kl__rconn *c, int64_t ttl_ms,
+	    kl_error *err)
+{
+	int64_t need, up;
+
+	pthread_mutex_lock(&r->mu);
+	if (ttl_ms > r->max_ttl_ms)
+		r->max_ttl_ms = ttl_ms;
+	if (r->conf.restart_guard_ms != KL_R_GUARD_AUTO)
+		need = r->conf.restart_guard_ms;
+	else
+		need = c->persistent ? 0 : r->max_ttl_ms;
+	pthread_mutex_unlock(&r->mu);
+	up = kl__rconn_uptime_ms(c);
+	if (up >= need)
+		return KL_OK;
+	kl__redis_error(err, KL_EPROVIDER,
+			"redis provider: the server has been up for %lld ms "
+			"only; it may have restarted and lost locks, so none "
+			"is granted before it has been up %lld ms "
+			"(restart_guard)",
+			(long long)up, (long long)need);
+	return KL_EPROVIDER;
+}
+
+/* ------------------------------------------------------------------ */
+/* Scripts of a wait                                                   */
+
+static size_t
+num(char *buf, size_t size, int64_t v)
+{
+	return (size_t)snprintf(buf, size, "%" PRId64, v);
+}
+
+/* One attempt.  *granted and *fence on KL_OK; *sent_ns is when it was
+ * sent (a grant's ttl runs from no earlier than that). */
+static int
+attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
+	int64_t deadline, bool *granted, uint64_t *fence, int64_t *sent_ns,
+	kl_error *err)
+{
+	char ttl[24], hb[24], keep[24];
+	const char *args[5];
+	size_t alens[5];
+	redisReply *rep, *e0, *e1;
+	int rc;
+
+	*granted = false;
+	args[0] = l->tok;
+	alens[0] = strlen(l->tok);
+	args[1] = ttl;
+	alens[1] = num(ttl, sizeof ttl, l->ttl_ms);
+	args[2] = hb;
+	alens[2] = num(hb, sizeof hb, r->conf.heartbeat_ms);
+	args[3] = try_only ? "try" : "queue";
+	alens[3] = strlen(args[3]);
+	args[4] = keep;
+	alens[4] = num(keep, sizeof keep, FENCE_KEEP_MS);
+	*sent_ns = kl__redis_now_ns();
+	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 5, l->n.k,
+			      l->n.len, 5, args, alens, &rep, err);
+	if (rc != KL_OK)
+		return rc;
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+	    rep->element[0]->type != REDIS_REPLY_INTEGER) {
+		freeReplyObject(rep);
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: unexpected reply to an "
+				"attempt");
+		return KL_EPROVIDER;
+	}
+	e0 = rep->element[0];
+	e1 = rep->element[1];
+	if (e0->integer == 1) {
+		*granted = true;
+		if (e1->type == REDIS_REPLY_STRING)
+			*fence = strtoull(e1->str, NULL, 10);
+		else if (e1->type == REDIS_REPLY_INTEGER)
+			*fence = (uint64_t)e1->integer;
+	}
+	freeReplyObject(rep);
+	return KL_OK;
+}
+
+/* The leave script: out of the queue, and the key passed on if it came to
+ * us in a race. */
+static int
+leave(struct redis *r, struct kl__rconn *c, struct lease *l, int64_t deadline,
+      kl_error *err)
+{
+	const char *keys[4] = { l->n.k[K_LOCK], l->n.k[K_QUEUE], l->n.k[K_HB],
+				l->n.k[K_WAKE] };
+	size_t klens[4] = { l->n.len[K_LOCK], l->n.len[K_QUEUE],
+			    l->n.len[K_HB], l->n.len[K_WAKE] };
+	char hb[24];
+	const char *args[2] = { l->tok, hb };
+	size_t alens[2] = { strlen(l->tok), num(hb, sizeof hb,
+						 r->conf.heartbeat_ms) };
+	redisReply *rep;
+	int rc;
+
+	rc = kl__rconn_script(c, deadline, KL_RS_LEAVE, 4, keys, klens, 2,
+			      args, alens, &rep, err);
+	if (rc == KL_OK)
+		freeReplyObject(rep);
+	return rc;
+}
+
+/* Leaves after a failed or abandoned wait, when the connection still
+ * works.  Best effort: when the server cannot be asked (a connection that
+ * broke was already replaced once and failed again), the queue entry
+ * expires with its heartbeat and a grant whose reply was lost with its
+ * ttl. */
+static void
+leave_anyway(struct redis *r, struct kl__rconn *c, struct lease *l)
+{
+	if (c != NULL && !c->broken)
+		leave(r, c, l, cmd_deadline(r, kl__redis_now_ns(), 0), NULL);
+}
+
+/* Compare-and-delete with l's token, retried once on a new connection.
+ * *released tells whether the key was still ours. */
+static int
+release_key(struct redis *r, struct lease *l, bool *released, kl_error *err)
+{
+	char hb[24];
+	const char *args[2] = { l->tok, hb };
+	size_t alens[2] = { strlen(l->tok), num(hb, sizeof hb,
+						 r->conf.heartbeat_ms) };
+	struct kl__rconn *c = NULL;
+	redisReply *rep = NULL;
+	int rc, tries = 0;
+
+	*released = false;
+	rc = conn_get(r, KL_R_NO_DEADLINE, &c, err);
+	while (rc == KL_OK) {
+		rc = kl__rconn_script(c, cmd_deadline(r, KL_R_NO_DEADLINE, 0),
+				      KL_RS_RELEASE, 3, l->n.k, l->n.len, 2,
+				      args, alens, &rep, err);
+		if (rc == KL_OK || !c->broken || ++tries > 1)
+			break;
+		rc = conn_replace(r, &c, KL_R_NO_DEADLINE, err);
+	}
+	if (rc == KL_OK) {
+		*released = rep->type == REDIS_REPLY_INTEGER &&
+			    rep->integer == 1;
+		freeReplyObject(rep);
+	}
+	conn_put(r, c);
+	return rc;
+}
+
+/* BLPOP on the own wake list for slice_ms.  *woke when something came. */
+static int
+block(struct redis *r, struct kl__rconn *c, struct lease *l,
+      int64_t slice_ms, int64_t wait_deadline, bool *woke, kl_error *err)
+{
+	char secs[32];
+	const char *argv[3] = { "BLPOP", l->n.k[K_WAKE], secs };
+	size_t lens[3] = { 5, l->n.len[K_WAKE], 0 };
+	redisReply *rep;
+	int rc;
+
+	*woke = false;
+	lens[2] = (size_t)snprintf(secs, sizeof secs, "%" PRId64 ".%03" PRId64,
+				   slice_ms / 1000, slice_ms % 1000);
+	rc = kl__rconn_command(c, cmd_deadline(r, wait_deadline, slice_ms * MS),
+			       3, argv, lens, &rep, err);
+	if (rc != KL_OK)
+		return rc;
+	if (rep->type == REDIS_REPLY_ERROR) {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: BLPOP failed: %.160s",
+				rep->str);
+		rc = KL_EPROVIDER;
+	}
+	*woke = rep->type == REDIS_REPLY_ARRAY;
+	freeReplyObject(rep);
+	return rc;
+}
+
+/* After a broken connection in a wait: a new one to the same server run.
+ * A restart lost the queue and maybe locks: the wait ends. */
+static int
+reconnect_in_wait(struct redis *r, struct kl__rconn **cp, uint64_t epoch,
+		  int64_t deadline, int *reconnects, kl_error *err)
+{
+	int64_t now = kl__redis_now_ns();
+	int rc;
+
+	/* err already says why the last command failed.  Past the deadline
+	 * the server did not answer in time: that is its failure, not a
+	 * timeout of the wait. */
+	if (++*reconnects > MAX_RECONNECTS || now >= deadline)
+		return KL_EPROVIDER;
+	rc = conn_replace(r, cp,
+			  deadline == KL_R_NO_DEADLINE
+				  ? KL_R_NO_DEADLINE
+				  : deadline + GRACE_MS * MS,
+			  err);
+	if (rc != KL_OK)
+		return rc;
+	if ((*cp)->epoch != epoch) {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: the server restarted during "
+				"the wait (its run_id changed); its queue and "
+				"locks may be lost");
+		return KL_EPROVIDER;
+	}
+	return KL_OK;
+}
+
+/* Waits in the queue until granted (KL_OK), the deadline (KL_ETIMEDOUT),
+ * the cancel token (KL_ECANCELED) or a server failure (KL_EPROVIDER). */
+static int
+wait_queued(struct redis *r, struct kl__rconn **cp, struct lease *l,
+	    kl_cancel *cancel, int64_t deadline, uint64_t *fence,
+	    int64_t *sent_ns, kl_error *err)
+{
+	int64_t recheck = r->conf.heartbeat_ms / 4, next_check, now, slice;
+	uint64_t epoch = (*cp)->epoch;
+	int reconnects = 0, rc;
+	bool woke, granted;
+
+	if (recheck > RECHECK_MAX_MS)
+		recheck = RECHECK_MAX_MS;
+	if (recheck < RECHECK_MIN_MS)
+		recheck = RECHECK_MIN_MS;
+	next_check = kl__redis_now_ns() + recheck * MS;
+	for (;;) {
+		if (kl_cancel_fired(cancel))
+			return KL_ECANCELED;
+		now = kl__redis_now_ns();
+		if (now >= deadline)
+			return KL_ETIMEDOUT;
+		/* Rounded up: never a busy loop of zero-length BLPOPs. */
+		slice = WAKE_SLICE_MS;
+		if (deadline != KL_R_NO_DEADLINE &&
+		    (deadline - now + MS - 1) / MS < slice)
+			slice = (deadline - now + MS - 1) / MS;
+		if ((next_check - now + MS - 1) / MS < slice)
+			slice = (next_check - now + MS - 1) / MS;
+		woke = false;
+		if (slice > 0) {
+			rc = block(r, *cp, l, slice, deadline, &woke, err);
+			if (rc != KL_OK && !(*cp)->broken)
+				return rc;
+			if (rc != KL_OK) {
+				rc = reconnect_in_wait(r, cp, epoch,
+						       deadline, &reconnects,
+						       err);
+				if (rc != KL_OK)
+					return rc;
+				next_check = 0; /* try again at once */
+				continue;
+			}
+		}
+		now = kl__redis_now_ns();
+		if (!woke && now < next_check)
+			continue;
+		rc = attempt(r, *cp, l, false, cmd_deadline(r, deadline, 0),
+			     &granted, fence, sent_ns, err);
+		if (rc != KL_OK && !(*cp)->broken)
+			return rc;
+		if (rc != KL_OK) {
+			rc = reconnect_in_wait(r, cp, epoch, deadline,
+					       &reconnects, err);
+			if (rc != KL_OK)
+				return rc;
+			next_check = 0;
+			continue;
+		}
+		reconnects = 0;
+		if (granted)
+			return KL_OK;
+		next_check = kl__redis_now_ns() + recheck * MS;
+	}
+}
+
+/* The first attempt: the restart guard, then the script; a pooled
+ * connection found dead is replaced once. */
+static int
+first_attempt(struct redis *r, struct kl__rconn **cp, struct lease *l,
+	      bool try_only, int64_t deadline, bool *granted, uint64_t *fence,
+	      int64_t *sent_ns, kl_error *err)
+{
+	int rc, tries = 0;
+
+	for (;;) {
+		rc = check_guard(r, *cp, l->ttl_ms, err);
+		if (rc != KL_OK)
+			return rc;
+		rc = attempt(r, *cp, l, try_only,
+			     try_only ? cmd_deadline(r, KL_R_NO_DEADLINE, 0)
+				      : cmd_deadline(r, deadline, 0),
+			     granted, fence, sent_ns, err);
+		if (rc == KL_OK || !(*cp)->broken || ++tries > 1)
+			return rc;
+		rc = conn_replace(r, cp, try_only ? KL_R_NO_DEADLINE
+						  : cmd_deadline(r, deadline, 0),
+				  err);
+		if (rc != KL_OK)
+			return rc;
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Provider operations                                                 */
+
+static int
+redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	      int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **out,
+	      uint64_t *fence, kl_error *err)
+{
+	struct redis *r = impl;
+	struct kl__rconn *c = NULL;
+	struct lease *l;
+	int64_t deadline, cap, sent = 0;
+	bool granted = false, released;
+	int rc;
+
+	*out = NULL;
+	*fence = 0;
+	if (flags & KL_ERRORCHECK) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: error-check mode "
+				"(KL_ERRORCHECK) is not supported");
+		return KL_EINVAL;
+	}
+	if (ttl_ms == 0)
+		ttl_ms = r->conf.ttl_ms;
+	if (ttl_ms < MIN_TTL_MS || ttl_ms > INT64_MAX / 4 ||
+	    (timeout_ms < 0 && timeout_ms != KL_FOREVER)) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: the ttl must be at least "
+				"%d ms",
+				MIN_TTL_MS);
+		return KL_EINVAL;
+	}
+	if (kl_cancel_fired(cancel))
+		return KL_ECANCELED;
+	deadline = kl__redis_deadline(timeout_ms);
+	/* Connecting, too, ends by the deadline plus grace; a try-once has
+	 * the connect and command timeouts. */
+	cap = timeout_ms == 0 || deadline == KL_R_NO_DEADLINE
+		      ? KL_R_NO_DEADLINE
+		      : deadline + GRACE_MS * MS;
+	if ((rc = lease_new(r, key, key_len, ttl_ms, &l, err)) != KL_OK)
+		return rc;
+	if ((rc = conn_get(r, cap, &c, err)) != KL_OK) {
+		lease_unref(l);
+		return rc;
+	}
+	rc = first_attempt(r, &c, l, timeout_ms == 0, deadline, &granted,
+			   fence, &sent, err);
+	if (rc == KL_OK && !granted) {
+		if (timeout_ms == 0) {
+			/* Tried once, never queued: nothing to undo. */
+			conn_put(r, c);
+			lease_unref(l);
+			return KL_ETIMEDOUT;
+		}
+		rc = wait_queued(r, &c, l, cancel, deadline, fence, &sent,
+				 err);
+	}
+	if (rc == KL_OK && kl_cancel_fired(cancel)) {
+		/* Granted as the token fired: the cancel wins, and the key
+		 * goes to the next waiter. */
+		conn_put(r, c);
+		c = NULL;
+		release_key(r, l, &released, NULL);
+		lease_unref(l);
+		*fence = 0;
+		return KL_ECANCELED;
+	}
+	if (rc != KL_OK) {
+		/* Also after a failure, once an attempt was sent: its reply
+		 * may have been lost after the server queued or granted us. */
+		if (sent != 0)
+			leave_anyway(r, c, l);
+		conn_put(r, c);
+		lease_unref(l);
+		*fence = 0;
+		return rc;
+	}
+	l->epoch = c->epoch;
+	conn_put(r, c);
+	pthread_mutex_lock(&r->mu);
+	l->valid_until = sent + l->ttl_ms * MS - drift_ns(l->ttl_ms);
+	l->renew_at = sent + l->ttl_ms * MS / 3;
+	if (l->epoch < r->epoch)
+		l->lost = true; /* the server restarted just after the grant */
+	lease_link(r, l);
+	pthread_cond_broadcast(&r->cv);
+	pthread_mutex_unlock(&r->mu);
+	*out = l;
+	return KL_OK;
+}
+
+static int
+redis_release(void *impl, void *lease, kl_error *err)
+{
+	struct redis *r = impl;
+	struct lease *l = lease;
+	bool released = false;
+	int rc;
+
+	pthread_mutex_lock(&r->mu);
+	l->released = true;
+	lease_unlink(r, l);
+	/* The lost callback never runs after release has returned: wait for
+	 * one in progress, unless it is this very thread releasing from
+	 * inside it. */
+	while (l->in_cb && !pthread_equal(l->cb_thread, pthread_self()))
+		pthread_cond_wait(&r->cv, &r->mu);
+	pthread_mutex_unlock(&r->mu);
+
+	rc = release_key(r, l, &released, err);
+	if (rc == KL_OK && !released) {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: the lease was already lost "
+				"(expired, deleted or taken over)");
+		rc = KL_EPROVIDER;
+	}
+	pthread_mutex_lock(&r->mu);
+	lease_unref(l);
+	pthread_mutex_unlock(&r->mu);
+	return rc;
+}
+
+static bool
+redis_valid(void *impl, void *lease)
+{
+	struct redis *r = impl;
+	struct lease *l = lease;
+	bool valid;
+
+	pthread_mutex_lock(&r->mu);
+	if (!l->lost && kl__redis_now_ns() >= l->valid_until) {
+		l->lost = true;
+		pthread_cond_broadcast(&r->cv);
+	}
+	valid = !l->lost;
+	pthread_mutex_unlock(&r->mu);
+	return valid;
+}
+
+static void
+redis_watch(void *impl, void *lease, void (*lost)(void *ctx), void *ctx)
+{
+	struct redis *r = impl;
+	struct lease *l = lease;
+
+	pthread_mutex_lock(&r->mu);
+	l->lost_fn = lost;
+	l->ctx = ctx;
+	if (l->lost)
+		pthread_cond_broadcast(&r->cv);
+	pthread_mutex_unlock(&r->mu);
+}
+
+static int
+redis_status(void *impl, const char *key, size_t key_len, size_t *holders,
+	     size_t *waiters, kl_error *err)
+{
+	struct redis *r = impl;
+	struct kl__rconn *c = NULL;
+	struct names n;
+	redisReply *rep = NULL;
+	int rc, tries = 0;
+
+	*holders = *waiters = 0;
+	if (names_make(r, key, key_len, NULL, &n) != KL_OK)
+		return KL_ENOMEM;
+	rc = conn_get(r, KL_R_NO_DEADLINE, &c, err);
+	while (rc == KL_OK) {
+		rc = kl__rconn_script(c, cmd_deadline(r, KL_R_NO_DEADLINE, 0),
+				      KL_RS_STATUS, 3, n.k, n.len, 0, NULL,
+				      NULL, &rep, err);
+		if (rc == KL_OK || !c->broken || ++tries > 1)
+			break;
+		rc = conn_replace(r, &c, KL_R_NO_DEADLINE, err);
+	}
+	conn_put(r, c);
+	names_free(&n);
+	if (rc != KL_OK)
+		return rc;
+	if (rep->type == REDIS_REPLY_ARRAY && rep->elements == 2 &&
+	    rep->element[0]->type == REDIS_REPLY_INTEGER &&
+	    rep->element[1]->type == REDIS_REPLY_INTEGER) {
+		*holders = (size_t)rep->element[0]->integer;
+		*waiters = (size_t)rep->element[1]->integer;
+	} else {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: unexpected reply to status");
+		rc = KL_EPROVIDER;
+	}
+	freeReplyObject(rep);
+	return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* The renewal thread                                                  */
+
+/* One compare-and-PEXPIRE: 1 renewed, 0 the key is not ours, -1 the
+ * server could not be asked.  Only the renewal thread calls it. */
+static int
+renew_once(struct redis *r, struct lease *l, int64_t cap, int64_t *sent_ns)
+{
+	int64_t deadline;
+	char ttl[24];
+	const char *args[2] = { l->tok, ttl };
+	size_t alens[2] = { strlen(l->tok), num(ttl, sizeof ttl, l->ttl_ms) };
+	redisReply *rep;
+	int rc, res;
+
+	if (r->rconn != NULL && r->rconn->broken) {
+		kl__rconn_close(r->rconn);
+		r->rconn = NULL;
+	}
+	/* An answer after the lease ran out would come too late anyway: stop
+	 * waiting then, so that its loss is reported at once. */
+	if (cap < kl__redis_now_ns() + 10 * MS)
+		cap = kl__redis_now_ns() + 10 * MS;
+	if (r->rconn == NULL && conn_new(r, cap, &r->rconn, NULL) != KL_OK)
+		return -1;
+	deadline = cmd_deadline(r, KL_R_NO_DEADLINE, 0);
+	if (cap < deadline)
+		deadline = cap;
+	*sent_ns = kl__redis_now_ns();
+	rc = kl__rconn_script(r->rconn, deadline, KL_RS_RENEW, 1, l->n.k,
+			      l->n.len, 2, args, alens, &rep, NULL);
+	if (rc != KL_OK)
+		return -1;
+	res = rep->type == REDIS_REPLY_INTEGER && rep->integer == 1 ? 1 : 0;
+	freeReplyObject(rep);
+	return res;
+}
+
+static void
+set_abs(struct timespec *ts, int64_t ns)
+{
+	ts->tv_sec = (time_t)(ns / 1000000000);
+	ts->tv_nsec = (long)(ns % 1000000000);
+}
+
+/*
+ * Loop, mu held except around network I/O and callbacks: mark leases whose
+ * validity ran out as lost, deliver one pending lost callback, renew the
+ * most urgent lease that is due, else sleep until the next due time.  A
+ * lease in use by the thread has a reference, so a release meanwhile
+ * cannot free it.
+ */
+static void *
+renewer(void *arg)
+{
+	struct redis *r = arg;
+
+	pthread_mutex_lock(&r->mu);
+	while (!r->stopping) {
+		int64_t now = kl__redis_now_ns(), next = KL_R_NO_DEADLINE;
+		struct lease *l, *due = NULL, *cb = NULL;
+
+		for (l = r->leases; l != NULL; l = l->next) {
+			if (!l->lost && now >= l->valid_until)
+				l->lost = true;
+			if (l->lost) {
+				if (l->lost_fn != NULL && !l->notified &&
+				    cb == NULL)
+					cb = l;
+				continue;
+			}
+			if (due == NULL || l->renew_at < due->renew_at)
+				due = l;
+			if (l->renew_at < next)
+				next = l->renew_at;
+			if (l->valid_until < next)
+				next = l->valid_until;
+		}
+		if (cb != NULL) {
+			void (*fn)(void *) = cb->lost_fn;
+			void *ctx = cb->ctx;
+
+			cb->notified = true;
+			cb->in_cb = true;
+			cb->cb_thread = pthread_self();
+			cb->refs++;
+			pthread_mutex_unlock(&r->mu);
+			fn(ctx);
+			pthread_mutex_lock(&r->mu);
+			cb->in_cb = false;
+			lease_unref(cb);
+			pthread_cond_broadcast(&r->cv);
+			continue;
+		}
+		if (due != NULL && due->renew_at <= now) {
+			int64_t sent = 0, gap;
+			int res;
+
+			int64_t until = due->valid_until;
+
+			due->refs++;
+			pthread_mutex_unlock(&r->mu);
+			res = renew_once(r, due, until, &sent);
+			pthread_mutex_lock(&r->mu);
+			now = kl__redis_now_ns();
+			if (!due->released && !due->lost) {
+				if (res == 1) {
+					due->valid_until =
+						sent + due->ttl_ms * MS -
+						drift_ns(due->ttl_ms);
+					due->renew_at =
+						sent + due->ttl_ms * MS / 3;
+				} else if (res == 0 ||
+					   now >= due->valid_until) {
+					due->lost = true;
+				} else {
+					/* The server did not answer: try
+					 * again soon, while the key lives. */
+					gap = due->ttl_ms / 10;
+					if (gap > RETRY_GAP_MAX_MS)
+						gap = RETRY_GAP_MAX_MS;
+					due->renew_at = now + gap * MS;
+				}
+			}
+			lease_unref(due);
+			continue;
+		}
+		if (next == KL_R_NO_DEADLINE) {
+			pthread_cond_wait(&r->cv, &r->mu);
+		} else {
+			struct timespec ts;
+
+			set_abs(&ts, next);
+			pthread_cond_timedwait(&r->cv, &r->mu, &ts);
+		}
+	}
+	pthread_mutex_unlock(&r->mu);
+	return NULL;
+}
+
+/* ------------------------------------------------------------------ */
+/* Opening and closing                                                 */
+
+static void
+redis_destroy(void *impl)
+{
+	struct redis *r = impl;
+	struct lease *l;
+
+	if (r->thread_started) {
+		pthread_mutex_lock(&r->mu);
+		r->stopping = true;
+		pthread_cond_broadcast(&r->cv);
+		pthread_mutex_unlock(&r->mu);
+		/* A child of fork() has no renewal thread to join. */
+		if (r->pid == getpid())
+			pthread_join(r->thread, NULL);
+	}
+	/* Leases still held are a caller's error; free them anyway. */
+	while ((l = r->leases) != NULL) {
+		lease_unlink(r, l);
+		l->refs = 1;
+		lease_unref(l);
+	}
+	while (r->nidle > 0)
+		kl__rconn_close(r->idle[--r->nidle]);
+	kl__rconn_close(r->rconn);
+	free(r->idle);
+	pthread_cond_destroy(&r->cv);
+	pthread_mutex_destroy(&r->mu);
+	kl__redis_conf_clear(&r->conf);
+	free(r);
+}
+
+static const kl_provider_ops redis_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "redis",
+	.acquire = redis_acquire,
+	.release = redis_release,
+	.valid = redis_valid,
+	.destroy = redis_destroy,
+	.status = redis_status,
+	.watch = redis_watch,
+};
+
+/* Starts the renewal thread with every signal blocked, so that the
+ * program's handlers never run on a thread it does not know about. */
+static int
+start_thread(struct redis *r)
+{
+	sigset_t all, old;
+	int rc;
+
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	rc = pthread_create(&r->thread, NULL, renewer, r);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	if (rc != 0)
+		return KL_ENOMEM;
+	r->thread_started = true;
+	return KL_OK;
+}
+
+int
+kl_redis_provider_open(kl_provider **out, const char *uri, kl_error *err)
+{
+	pthread_condattr_t ca;
+	struct kl__rconn *c = NULL;
+	struct redis *r;
+	int rc;
+
+	if (out != NULL)
+		*out = NULL;
+	if (out == NULL || uri == NULL) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: no URI or no output given");
+		return KL_EINVAL;
+	}
+	if ((r = calloc(1, sizeof *r)) == NULL)
+		return KL_ENOMEM;
+	if ((rc = kl__redis_conf_parse(&r->conf, uri, err)) != KL_OK) {
+		free(r);
+		return rc;
+	}
+	r->pid = getpid();
+	r->max_ttl_ms = r->conf.ttl_ms;
+	pthread_mutex_init(&r->mu, NULL);
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	pthread_cond_init(&r->cv, &ca);
+	pthread_condattr_destroy(&ca);
+	if ((r->idle = calloc(r->conf.pool, sizeof *r->idle)) == NULL) {
+		rc = KL_ENOMEM;
+		goto fail;
+	}
+	/* Connect now, so a wrong address or password fails here. */
+	if ((rc = conn_new(r, KL_R_NO_DEADLINE, &c, err)) != KL_OK)
+		goto fail;
+	conn_put(r, c);
+	if ((rc = start_thread(r)) != KL_OK)
+		goto fail;
+	if ((rc = kl_provider_new(out, &redis_ops, r)) != KL_OK)
+		goto fail;
+	return KL_OK;
+fail:
+	redis_destroy(r);
+	return rc;
+}

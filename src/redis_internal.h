@@ -1,0 +1,131 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Private declarations of libkeylock-redis, shared by its modules:
+ * redis_config.c (URI and password), redis_conn.c (one connection: connect,
+ * authenticate, identify the server, send commands and scripts with
+ * deadlines), redis_sha256.c (key digests) and provider_redis.c (the
+ * provider: pool, acquire and wait, release, renewal thread).
+ *
+ * This library links libkeylock.so and so sees only its public kl_*
+ * functions; the kl__redis_* helpers here are hidden by the build
+ * (-fvisibility=hidden and src/libkeylock-redis.map).
+ */
+#ifndef KL_REDIS_INTERNAL_H
+#define KL_REDIS_INTERNAL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#include <hiredis.h>
+
+#include "keylock.h"
+#include "keylock/redis.h"
+
+#define KL_RHIDDEN __attribute__((visibility("hidden")))
+
+#define KL_R_NO_DEADLINE INT64_MAX
+
+/* ------------------------------------------------------------------ */
+/* redis_config.c */
+
+#define KL_R_GUARD_AUTO (-1)
+
+struct kl__redis_conf {
+	char *host;
+	int port;
+	int db;
+	char *user;     /* NULL: AUTH with the password alone */
+	char *pass;     /* NULL: no AUTH; wiped before it is freed */
+	size_t pass_len;
+	char *prefix;
+	size_t prefix_len;
+	size_t pool;
+	int64_t ttl_ms;
+	int64_t timeout_ms;
+	int64_t connect_timeout_ms;
+	int64_t heartbeat_ms;
+	int64_t restart_guard_ms; /* KL_R_GUARD_AUTO or >= 0 */
+};
+
+/* Parses uri into conf (zeroed first).  KL_OK; KL_EINVAL for a malformed
+ * URI or option; KL_EPROVIDER for TLS or an unsafe or unreadable password
+ * file; KL_ENOMEM.  On failure conf holds nothing. */
+KL_RHIDDEN int kl__redis_conf_parse(struct kl__redis_conf *conf,
+				    const char *uri, kl_error *err);
+KL_RHIDDEN void kl__redis_conf_clear(struct kl__redis_conf *conf);
+
+/* ------------------------------------------------------------------ */
+/* Shared helpers (redis_conn.c) */
+
+KL_RHIDDEN void kl__redis_error(kl_error *err, int status, const char *fmt,
+				...) __attribute__((format(printf, 3, 4)));
+/* CLOCK_MONOTONIC nanoseconds. */
+KL_RHIDDEN int64_t kl__redis_now_ns(void);
+/* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */
+KL_RHIDDEN int64_t kl__redis_deadline(int64_t ms);
+/* Fills buf with n random bytes; false when no randomness could be had. */
+KL_RHIDDEN bool kl__redis_random(void *buf, size_t n);
+/* Overwrites n bytes so that the compiler cannot drop the stores. */
+KL_RHIDDEN void kl__redis_wipe(void *p, size_t n);
+
+/* redis_sha256.c: the SHA-256 digest of data in lowercase hex. */
+KL_RHIDDEN void kl__redis_sha256_hex(const void *data, size_t len,
+				     char out[65]);
+
+/* ------------------------------------------------------------------ */
+/* redis_conn.c: one connection, used by one thread at a time. */
+
+enum kl__redis_script {
+	KL_RS_ATTEMPT,
+	KL_RS_RELEASE,
+	KL_RS_LEAVE,
+	KL_RS_RENEW,
+	KL_RS_STATUS,
+	KL_RS_COUNT
+};
+
+struct kl__rconn {
+	redisContext *ctx;
+	pid_t pid;          /* the process that connected */
+	bool broken;        /* failed or timed out: close, never reuse */
+	int64_t up_ms;      /* server uptime when connected (floor) */
+	int64_t t0_ns;      /* our clock when connected */
+	bool persistent;    /* appendonly yes and appendfsync always */
+	uint64_t epoch;     /* the provider's count of restarts seen, when
+			     * connected (set by provider_redis.c) */
+	char run_id[41];    /* the server's INFO run_id */
+	int version;        /* major * 100 + minor */
+	char sha[KL_RS_COUNT][41];
+};
+
+/* Connects to conf's server within its connect timeout, authenticates,
+ * selects the database, reads INFO and loads the scripts within its
+ * command timeout, both cut short at cap_ns (KL_R_NO_DEADLINE: no cap).
+ * KL_OK, KL_EPROVIDER (err says why: never the password), KL_ENOMEM. */
+KL_RHIDDEN int kl__rconn_open(const struct kl__redis_conf *conf,
+			      int64_t cap_ns, struct kl__rconn **out,
+			      kl_error *err);
+KL_RHIDDEN void kl__rconn_close(struct kl__rconn *c);
+/* Sends one command (argv API: binary-safe) and reads its reply by
+ * deadline_ns.  KL_OK with *reply set (an error reply included), or
+ * KL_EPROVIDER with c->broken set. */
+KL_RHIDDEN int kl__rconn_command(struct kl__rconn *c, int64_t deadline_ns,
+				 int argc, const char **argv,
+				 const size_t *lens, redisReply **reply,
+				 kl_error *err);
+/* Runs script id with keys and args (EVALSHA, then EVAL when the server
+ * lost its script cache).  As kl__rconn_command; an error reply becomes
+ * KL_EPROVIDER (the connection stays usable). */
+KL_RHIDDEN int kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
+				enum kl__redis_script id, int nkeys,
+				const char **keys, const size_t *klens,
+				int nargs, const char **args,
+				const size_t *alens, redisReply **reply,
+				kl_error *err);
+/* The server's uptime in milliseconds now, as estimated from the uptime
+ * when c connected and our clock since. */
+KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
+
+#endif /* KL_REDIS_INTERNAL_H */

@@ -1,0 +1,1360 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the PostgreSQL provider (src/provider_pg.c, libkeylock-pg)
+ * against a real server: KEYLOCK_TEST_PG_URI names it (tools/test stage pg
+ * starts a throwaway one).  Without it, or when the server cannot be
+ * reached, the suite exits 77 (skip): it never fakes a server.
+ *
+ * Covered: the key id seen in pg_locks, fences, try-once, timeouts and
+ * cancellation leaving no lock or waiter on the server, strict FIFO across
+ * threads (queued one at a time, confirmed through kl_provider_status),
+ * mutual exclusion across 4 processes x 4 threads, a holder killed with
+ * SIGKILL, a holder's backend terminated (lease invalid, KL_EV_LOST, then
+ * KL_EV_RELEASE_FAILED), a dead idle connection replaced, the pool bound,
+ * KL_ERRORCHECK, unreachable servers, bad URIs and authentication failures
+ * whose messages never show the password.  With KEYLOCK_TEST_PG_AUTH_URI
+ * (a role with a password, checked by scram or md5) the wrong-password case
+ * runs against real password authentication.
+ *
+ * Each test opens its own admin connection (libpq) to look at pg_locks and
+ * pg_stat_activity, and uses keys unique to the test and process, so runs
+ * do not disturb each other.  Other processes are test/pg_helper, spawned
+ * with posix_spawn and killed by the teardown if still running.  Worker
+ * threads never call ck_assert*; orders are forced by polling the server's
+ * lock queue, never by sleeping; time bounds are wide.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE /* pipe2, environ without config.h */
+#endif
+
+#include <arpa/inet.h>
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <libpq-fe.h>
+
+#include "keylock.h"
+#include "keylock/pg.h"
+#include "util.h"
+
+/* Bounds on waits that must not hang. */
+#define WAIT_BOUND_MS 30000
+/* Health checks in the tests that lose a lease. */
+#define HEALTH_MS 200
+
+static const char *g_uri;      /* KEYLOCK_TEST_PG_URI */
+static const char *g_auth_uri; /* KEYLOCK_TEST_PG_AUTH_URI, may be NULL */
+static PGconn *g_admin;        /* per test */
+static int g_keyno;
+
+#define MAX_HELPERS 8
+static pid_t g_live[MAX_HELPERS];
+
+/* ------------------------------------------------------------------ */
+/* Fixture and the admin connection                                    */
+
+static void
+setup(void)
+{
+	g_admin = PQconnectdb(g_uri);
+	ck_assert_msg(PQstatus(g_admin) == CONNECTION_OK,
+		      "admin connection: %s", PQerrorMessage(g_admin));
+}
+
+static void
+teardown(void)
+{
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] > 0) {
+			kill(g_live[i], SIGKILL);
+			waitpid(g_live[i], NULL, 0);
+			g_live[i] = 0;
+		}
+	}
+	PQfinish(g_admin);
+	g_admin = NULL;
+}
+
+/* A key unique to this test and process. */
+static const char *
+new_key(const char *what)
+{
+	static char keys[16][96];
+	char *k = keys[g_keyno++ % 16];
+
+	snprintf(k, sizeof keys[0], "check-pg/%s/%d/%d", what, (int)getpid(),
+		 g_keyno);
+	return k;
+}
+
+/* One integer from the admin connection. */
+static long long
+admin_int(const char *sql)
+{
+	PGresult *r = PQexec(g_admin, sql);
+	long long v;
+
+	ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1,
+		      "%s: %s", sql, PQresultErrorMessage(r));
+	v = PQgetisnull(r, 0, 0) ? -1 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
+	PQclear(r);
+	return v;
+}
+
+/* What pg_locks shows for key, found from kl_pg_key_id independently of
+ * the provider's own status query: granted and waiting entries. */
+static void
+server_locks(const char *key, long long *granted, long long *waiting)
+{
+	uint64_t id = (uint64_t)kl_pg_key_id(key, strlen(key));
+	char sql[512];
+
+	snprintf(sql, sizeof sql,
+		 "SELECT count(*) FILTER (WHERE %s) FROM pg_locks WHERE "
+		 "locktype = 'advisory' AND classid = %" PRIu32
+		 "::bigint::text::oid AND objid = %" PRIu32
+		 "::bigint::text::oid AND objsubid = 1",
+		 "granted", (uint32_t)(id >> 32), (uint32_t)id);
+	*granted = admin_int(sql);
+	snprintf(sql, sizeof sql,
+		 "SELECT count(*) FILTER (WHERE %s) FROM pg_locks WHERE "
+		 "locktype = 'advisory' AND classid = %" PRIu32
+		 "::bigint::text::oid AND objid = %" PRIu32
+		 "::bigint::text::oid AND objsubid = 1",
+		 "NOT granted", (uint32_t)(id >> 32), (uint32_t)id);
+	*waiting = admin_int(sql);
+}
+
+/* Polls pg_locks until key has exactly granted and waiting entries: a
+ * closed session's locks go as its backend exits, a moment later. */
+static void
+wait_server_locks(const char *key, long long granted, long long waiting)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	long long g, w;
+
+	for (;;) {
+		server_locks(key, &g, &w);
+		if (g == granted && w == waiting)
+			return;
+		ck_assert_msg(now_ms() < limit,
+			      "pg_locks for '%s': %lld granted, %lld waiting; "
+			      "expected %lld and %lld",
+			      key, g, w, granted, waiting);
+		test_sleep_ms(5);
+	}
+}
+
+/* The pid of the backend holding key. */
+static long long
+holder_pid(const char *key)
+{
+	uint64_t id = (uint64_t)kl_pg_key_id(key, strlen(key));
+	char sql[512];
+
+	snprintf(sql, sizeof sql,
+		 "SELECT min(pid) FROM pg_locks WHERE locktype = 'advisory' "
+		 "AND granted AND classid = %" PRIu32
+		 "::bigint::text::oid AND objid = %" PRIu32
+		 "::bigint::text::oid AND objsubid = 1",
+		 (uint32_t)(id >> 32), (uint32_t)id);
+	return admin_int(sql);
+}
+
+/* ------------------------------------------------------------------ */
+/* Providers, locks, events                                            */
+
+/* g_uri with the query parameters extra (may be NULL) added. */
+static void
+uri_with(char *buf, size_t size, const char *base, const char *extra)
+{
+	int n;
+
+	if (extra == NULL || extra[0] == '\0')
+		n = snprintf(buf, size, "%s", base);
+	else
+		n = snprintf(buf, size, "%s%c%s", base,
+			     strchr(base, '?') != NULL ? '&' : '?', extra);
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+static kl_provider *
+open_with(const char *base, const char *extra)
+{
+	char uri[1024];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	uri_with(uri, sizeof uri, base, extra);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_open: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+static kl_provider *
+open_pg(const char *extra)
+{
+	return open_with(g_uri, extra);
+}
+
+/* Opening uri must fail with status within bound_ms; returns the
+ * message in msg. */
+static void
+open_fails(const char *uri, int status, int64_t bound_ms, char *msg,
+	   size_t size)
+{
+	kl_provider *p = (kl_provider *)&p; /* must be reset to NULL */
+	kl_error err;
+	int64_t t0 = now_ms(), took;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	took = now_ms() - t0;
+	ck_assert_msg(rc == status, "kl_provider_open gave %s, expected %s: %s",
+		      kl_strerror(rc), kl_strerror(status), err.message);
+	ck_assert_ptr_null(p);
+	ck_assert_int_eq(err.status, status);
+	ck_assert_msg(err.message[0] != '\0', "no message");
+	ck_assert_msg(took <= bound_ms, "took %lld ms (bound %lld): %s",
+		      (long long)took, (long long)bound_ms, err.message);
+	snprintf(msg, size, "%s", err.message);
+}
+
+struct events {
+	pthread_mutex_t mu;
+	int count[5];
+	int last_status[5];
+};
+
+static void
+on_event(const kl_event *ev, void *arg)
+{
+	struct events *e = arg;
+
+	pthread_mutex_lock(&e->mu);
+	if ((int)ev->type >= 0 && (int)ev->type < 5) {
+		e->count[ev->type]++;
+		e->last_status[ev->type] = ev->status;
+	}
+	pthread_mutex_unlock(&e->mu);
+}
+
+static int
+event_count(struct events *e, kl_event_type t)
+{
+	int n;
+
+	pthread_mutex_lock(&e->mu);
+	n = e->count[t];
+	pthread_mutex_unlock(&e->mu);
+	return n;
+}
+
+struct hold {
+	kl_lock *l;
+	kl_lease *lease;
+};
+
+/* Acquires key on p into h; returns the status.  h holds nothing unless
+ * KL_OK.  ev (may be NULL) receives the lock's events. */
+static int
+take_ev(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
+	unsigned flags, struct events *ev, struct hold *h, kl_error *err)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = NULL, .cancel = c };
+	int rc;
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	if (ev != NULL) {
+		o.on_event = on_event;
+		o.event_arg = ev;
+	}
+	h->l = NULL;
+	h->lease = NULL;
+	if (kl_lock_new(&h->l, &o) != KL_OK)
+		return KL_ENOMEM;
+	if (err != NULL)
+		memset(err, 0, sizeof *err);
+	rc = kl_lock_acquire(h->l, &call, &h->lease, err);
+	if (rc != KL_OK) {
+		kl_lock_free(h->l);
+		h->l = NULL;
+		h->lease = NULL;
+	}
+	return rc;
+}
+
+static int
+take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
+     struct hold *h, kl_error *err)
+{
+	return take_ev(p, key, timeout_ms, c, 0, NULL, h, err);
+}
+
+static void
+take_ok(kl_provider *p, const char *key, struct hold *h)
+{
+	kl_error err;
+	int rc = take(p, key, WAIT_BOUND_MS, NULL, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "acquire '%s': %s: %s", key,
+		      kl_strerror(rc), err.message);
+	ck_assert_ptr_nonnull(h->lease);
+}
+
+static void
+drop(struct hold *h)
+{
+	kl_lease_release(h->lease);
+	kl_lock_free(h->l);
+	h->lease = NULL;
+	h->l = NULL;
+}
+
+/* Polls kl_provider_status until key has exactly holders and waiters. */
+static void
+wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	kl_error err;
+	size_t h, w;
+	int rc;
+
+	for (;;) {
+		rc = kl_provider_status(p, key, &h, &w, &err);
+		ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
+			      kl_strerror(rc), err.message);
+		if (h == holders && w == waiters)
+			return;
+		ck_assert_msg(now_ms() < limit,
+			      "'%s': %zu holders, %zu waiters; expected %zu "
+			      "and %zu",
+			      key, h, w, holders, waiters);
+		test_sleep_ms(2);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Waiter threads                                                      */
+
+struct shared {
+	atomic_int seq;
+	atomic_int inside;
+	atomic_int overlaps;
+};
+
+struct waiter {
+	kl_provider *p;
+	const char *key;
+	int64_t timeout_ms;
+	kl_cancel *cancel;
+	bool release;
+	struct shared *sh;
+	int iters; /* > 1: acquire and release that many times */
+	pthread_t th;
+	struct hold h;
+	int rc;
+	kl_error err;
+	int rank;
+	int64_t start_ns, end_ns;
+	atomic_bool done;
+};
+
+static void *
+waiter_main(void *arg)
+{
+	struct waiter *w = arg;
+	int n = w->iters > 0 ? w->iters : 1;
+
+	w->rank = -1;
+	for (int i = 0; i < n; i++) {
+		w->start_ns = now_ns();
+		w->rc = take(w->p, w->key, w->timeout_ms, w->cancel, &w->h,
+			     &w->err);
+		w->end_ns = now_ns();
+		if (w->rc != KL_OK)
+			break;
+		if (w->sh != NULL) {
+			w->rank = atomic_fetch_add(&w->sh->seq, 1);
+			if (atomic_fetch_add(&w->sh->inside, 1) != 0)
+				atomic_fetch_add(&w->sh->overlaps, 1);
+			sched_yield();
+			atomic_fetch_sub(&w->sh->inside, 1);
+		}
+		if (!w->release)
+			break;
+		drop(&w->h);
+	}
+	atomic_store(&w->done, true);
+	return NULL;
+}
+
+static struct waiter *
+waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
+	     kl_cancel *c, bool release, struct shared *sh)
+{
+	struct waiter *w = calloc(1, sizeof *w);
+
+	ck_assert_ptr_nonnull(w);
+	w->p = p;
+	w->key = key;
+	w->timeout_ms = timeout_ms;
+	w->cancel = c;
+	w->release = release;
+	w->sh = sh;
+	atomic_init(&w->done, false);
+	test_thread_start(&w->th, waiter_main, w);
+	return w;
+}
+
+static bool
+waiter_done(void *arg)
+{
+	return atomic_load(&((struct waiter *)arg)->done);
+}
+
+static void
+waiter_join(struct waiter *w)
+{
+	test_poll(waiter_done, w, "a waiter to return");
+	test_thread_join(w->th);
+}
+
+static void
+waiter_free(struct waiter *w)
+{
+	if (w->h.lease != NULL)
+		drop(&w->h);
+	free(w);
+}
+
+/* ------------------------------------------------------------------ */
+/* Helper processes (test/pg_helper)                                   */
+
+struct helper {
+	pid_t pid;
+	int to;
+	int from;
+};
+
+static const char *
+helper_path(void)
+{
+	static char path[PATH_MAX];
+	const char *top = getenv("top_builddir");
+	int n;
+
+	/* The libtool wrapper, which finds the uninstalled libraries. */
+	n = snprintf(path, sizeof path, "%s/test/pg_helper",
+		     top != NULL ? top : ".");
+	ck_assert(n > 0 && (size_t)n < sizeof path);
+	return path;
+}
+
+static void
+live_add(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] == 0) {
+			g_live[i] = pid;
+			return;
+		}
+	}
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	ck_abort_msg("too many helper processes");
+}
+
+static void
+live_remove(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++)
+		if (g_live[i] == pid)
+			g_live[i] = 0;
+}
+
+/* Starts pg_helper with argv[1..] = args (NULL-terminated, at most 6). */
+static void
+helper_spawn(struct helper *h, const char *const *args)
+{
+	posix_spawn_file_actions_t fa;
+	char *argv[8];
+	int in[2], out[2], rc, n = 0;
+
+	argv[n++] = (char *)"pg_helper";
+	while (args[n - 1] != NULL && n < 7) {
+		argv[n] = (char *)args[n - 1];
+		n++;
+	}
+	argv[n] = NULL;
+	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
+	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
+	posix_spawn_file_actions_destroy(&fa);
+	close(in[0]);
+	close(out[1]);
+	if (rc != 0) {
+		close(in[1]);
+		close(out[0]);
+		ck_abort_msg("posix_spawn %s: %s", helper_path(), strerror(rc));
+	}
+	live_add(h->pid);
+	h->to = in[1];
+	h->from = out[0];
+}
+
+/* One line from the helper (without the newline); false at end of file.
+ * limit_ms bounds the wait. */
+static bool
+helper_line(struct helper *h, char *buf, size_t size, int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
+	size_t n = 0;
+	ssize_t r;
+	char c;
+
+	for (;;) {
+		int64_t left = limit - now_ms();
+
+		ck_assert_msg(left > 0, "no line from helper %d after %lld ms",
+			      (int)h->pid, (long long)limit_ms);
+		if (poll(&pfd, 1, (int)left) <= 0)
+			continue;
+		r = read(h->from, &c, 1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
+		if (r == 0) {
+			buf[n] = '\0';
+			return false;
+		}
+		if (c == '\n')
+			break;
+		if (n + 1 < size)
+			buf[n++] = c;
+	}
+	buf[n] = '\0';
+	return true;
+}
+
+static int
+helper_reap(struct helper *h, int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+	int status = 0;
+	pid_t r;
+
+	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
+		ck_assert_msg(now_ms() < limit, "helper %d still running",
+			      (int)h->pid);
+		test_sleep_ms(5);
+	}
+	ck_assert_msg(r == h->pid, "waitpid: %s", strerror(errno));
+	live_remove(h->pid);
+	close(h->to);
+	close(h->from);
+	return status;
+}
+
+/* ------------------------------------------------------------------ */
+/* Basics                                                              */
+
+START_TEST(test_key_id_stable)
+{
+	/* The mapping is part of the interface: other processes, hosts and
+	 * versions must compute the same ids (include/keylock/pg.h). */
+	ck_assert(kl_pg_key_id("hello", 5) == INT64_C(-1861698501393448245));
+	ck_assert(kl_pg_key_id("", 0) == INT64_C(-670436540291247412));
+	ck_assert(kl_pg_key_id(NULL, 0) == kl_pg_key_id("", 0));
+	ck_assert(kl_pg_key_id("a", 1) != kl_pg_key_id("b", 1));
+}
+END_TEST
+
+START_TEST(test_lock_shows_in_pg_locks)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("pglocks");
+	struct hold h;
+	long long g, w;
+
+	take_ok(p, key, &h);
+	ck_assert(kl_lease_valid(h.lease));
+	server_locks(key, &g, &w);
+	ck_assert_int_eq(g, 1);
+	ck_assert_int_eq(w, 0);
+	wait_status(p, key, 1, 0);
+	drop(&h);
+	/* Released on a live connection: gone at once. */
+	server_locks(key, &g, &w);
+	ck_assert_int_eq(g, 0);
+	ck_assert_int_eq(w, 0);
+	wait_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_binary_and_long_keys)
+{
+	kl_provider *p = open_pg(NULL);
+	static char big[70000];
+	char bin[256];
+	struct hold h;
+
+	for (int i = 0; i < 255; i++)
+		bin[i] = (char)(i + 1);
+	bin[255] = '\0';
+	memset(big, 'k', sizeof big - 1);
+	take_ok(p, bin, &h);
+	drop(&h);
+	take_ok(p, big, &h);
+	drop(&h);
+	take_ok(p, "", &h);
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_fence_strictly_increasing)
+{
+	kl_provider *a = open_pg(NULL), *b = open_pg("pool=2");
+	const char *key = new_key("fence");
+	uint64_t last = 0, f;
+	struct hold h;
+
+	for (int i = 0; i < 20; i++) {
+		take_ok(i % 2 == 0 ? a : b, key, &h);
+		f = kl_lease_fence(h.lease);
+		ck_assert_msg(f > last, "fence %" PRIu64 " after %" PRIu64, f,
+			      last);
+		last = f;
+		drop(&h);
+	}
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Waiting: try once, timeout, cancel, FIFO                            */
+
+START_TEST(test_try_once)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("try");
+	struct hold h, h2;
+	kl_error err;
+	long long g, w;
+	int64_t t0;
+	int rc;
+
+	take_ok(p, key, &h);
+	t0 = now_ms();
+	rc = take(p, key, 0, NULL, &h2, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "try on a held key: %s: %s",
+		      kl_strerror(rc), err.message);
+	ck_assert_int_lt(now_ms() - t0, 2000);
+	server_locks(key, &g, &w);
+	ck_assert_int_eq(g, 1);
+	ck_assert_int_eq(w, 0);
+	drop(&h);
+	rc = take(p, key, 0, NULL, &h2, &err);
+	ck_assert_msg(rc == KL_OK, "try on a free key: %s: %s",
+		      kl_strerror(rc), err.message);
+	drop(&h2);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_timeout_leaves_nothing)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("timeout");
+	struct hold h, h2;
+	kl_error err;
+	long long g, w;
+	int64_t t0, took;
+	int rc;
+
+	take_ok(p, key, &h);
+	t0 = now_ms();
+	rc = take(p, key, 500, NULL, &h2, &err);
+	took = now_ms() - t0;
+	ck_assert_msg(rc == KL_ETIMEDOUT, "%s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_msg(took >= 490 && took <= 500 + 1500,
+		      "timed out after %lld ms", (long long)took);
+	/* No waiter left queued on the server, the holder untouched. */
+	server_locks(key, &g, &w);
+	ck_assert_int_eq(g, 1);
+	ck_assert_int_eq(w, 0);
+	drop(&h);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_cancel_from_another_thread)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("cancel");
+	struct hold h, h2;
+	struct waiter *w;
+	kl_cancel *c;
+	kl_error err;
+	long long g, wt;
+	int64_t fired;
+	int rc;
+
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	take_ok(p, key, &h);
+	w = waiter_start(p, key, KL_FOREVER, c, false, NULL);
+	wait_status(p, key, 1, 1);
+	fired = now_ns();
+	kl_cancel_fire(c);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_ECANCELED, "%s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	ck_assert_msg(w->end_ns - fired < 2000000000LL,
+		      "canceled wait ended %lld ms after the fire",
+		      (long long)((w->end_ns - fired) / 1000000));
+	server_locks(key, &g, &wt);
+	ck_assert_int_eq(g, 1);
+	ck_assert_int_eq(wt, 0);
+	/* A token fired already: KL_ECANCELED at once, held or free. */
+	rc = take(p, key, KL_FOREVER, c, &h2, &err);
+	ck_assert_int_eq(rc, KL_ECANCELED);
+	drop(&h);
+	rc = take(p, key, KL_FOREVER, c, &h2, &err);
+	ck_assert_int_eq(rc, KL_ECANCELED);
+	wait_server_locks(key, 0, 0);
+	/* The connection the canceled wait used is still good. */
+	take_ok(p, key, &h);
+	drop(&h);
+	waiter_free(w);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_cancel_token_timeout)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("canceltimer");
+	struct hold h, h2;
+	kl_cancel *c;
+	kl_error err;
+	int64_t t0, took;
+	int rc;
+
+	ck_assert_int_eq(kl_cancel_new_timeout(&c, 300), KL_OK);
+	take_ok(p, key, &h);
+	t0 = now_ms();
+	rc = take(p, key, KL_FOREVER, c, &h2, &err);
+	took = now_ms() - t0;
+	ck_assert_int_eq(rc, KL_ECANCELED);
+	ck_assert_msg(took >= 250 && took < 2300, "took %lld ms",
+		      (long long)took);
+	wait_server_locks(key, 1, 0);
+	drop(&h);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_fifo_across_threads)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("fifo");
+	struct shared sh = { 0 };
+	struct waiter *w[4];
+	struct hold h;
+
+	take_ok(p, key, &h);
+	for (int i = 0; i < 4; i++) {
+		w[i] = waiter_start(p, key, WAIT_BOUND_MS, NULL, true, &sh);
+		/* Queued on the server before the next one starts. */
+		wait_status(p, key, 1, (size_t)i + 1);
+	}
+	drop(&h);
+	for (int i = 0; i < 4; i++)
+		waiter_join(w[i]);
+	for (int i = 0; i < 4; i++) {
+		ck_assert_msg(w[i]->rc == KL_OK, "waiter %d: %s: %s", i,
+			      kl_strerror(w[i]->rc), w[i]->err.message);
+		ck_assert_msg(w[i]->rank == i, "waiter %d granted as %d", i,
+			      w[i]->rank);
+		waiter_free(w[i]);
+	}
+	ck_assert_int_eq(atomic_load(&sh.overlaps), 0);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_threads_share_provider)
+{
+	kl_provider *p = open_pg("pool=4");
+	const char *keys[2] = { new_key("shareA"), new_key("shareB") };
+	struct shared sh[2] = { { 0 }, { 0 } };
+	struct waiter *w[8];
+	int iters = (int)kl_test_scaled(15, 3);
+
+	/* 8 threads on 4 connections: half of them wait for one at any
+	 * time, in the pool's queue. */
+	for (int i = 0; i < 8; i++) {
+		w[i] = calloc(1, sizeof *w[i]);
+		ck_assert_ptr_nonnull(w[i]);
+		w[i]->p = p;
+		w[i]->key = keys[i % 2];
+		w[i]->timeout_ms = WAIT_BOUND_MS;
+		w[i]->release = true;
+		w[i]->sh = &sh[i % 2];
+		w[i]->iters = iters;
+		atomic_init(&w[i]->done, false);
+		test_thread_start(&w[i]->th, waiter_main, w[i]);
+	}
+	for (int i = 0; i < 8; i++)
+		waiter_join(w[i]);
+	for (int i = 0; i < 8; i++) {
+		ck_assert_msg(w[i]->rc == KL_OK, "thread %d: %s: %s", i,
+			      kl_strerror(w[i]->rc), w[i]->err.message);
+		waiter_free(w[i]);
+	}
+	for (int k = 0; k < 2; k++) {
+		ck_assert_int_eq(atomic_load(&sh[k].overlaps), 0);
+		ck_assert_int_eq(atomic_load(&sh[k].seq), 4 * iters);
+	}
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_pool_bound)
+{
+	kl_provider *p = open_pg("pool=1");
+	const char *a = new_key("poolA"), *b = new_key("poolB");
+	struct hold h, h2;
+	kl_cancel *c;
+	kl_error err;
+	int64_t t0, took;
+	int rc;
+
+	/* The one connection is held: a call for another key waits for it
+	 * and times out or is canceled like any wait. */
+	take_ok(p, a, &h);
+	t0 = now_ms();
+	rc = take(p, b, 300, NULL, &h2, &err);
+	took = now_ms() - t0;
+	ck_assert_int_eq(rc, KL_ETIMEDOUT);
+	ck_assert_msg(took >= 290 && took < 2300, "took %lld ms",
+		      (long long)took);
+	ck_assert_int_eq(kl_cancel_new_timeout(&c, 200), KL_OK);
+	rc = take(p, b, KL_FOREVER, c, &h2, &err);
+	ck_assert_int_eq(rc, KL_ECANCELED);
+	kl_cancel_free(c);
+	drop(&h);
+	take_ok(p, b, &h2);
+	drop(&h2);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_errorcheck)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("errcheck");
+	struct hold h, h2;
+	struct waiter *w;
+	kl_error err;
+	int rc;
+
+	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, KL_ERRORCHECK, NULL, &h,
+		     &err);
+	ck_assert_int_eq(rc, KL_OK);
+	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, KL_ERRORCHECK, NULL, &h2,
+		     &err);
+	ck_assert_msg(rc == KL_EDEADLK, "%s: %s", kl_strerror(rc),
+		      err.message);
+	/* Another thread is not refused, it waits. */
+	w = waiter_start(p, key, 200, NULL, false, NULL);
+	waiter_join(w);
+	ck_assert_int_eq(w->rc, KL_ETIMEDOUT);
+	waiter_free(w);
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Other processes                                                     */
+
+START_TEST(test_mutual_exclusion_processes)
+{
+	const char *key = new_key("mutex");
+	long iters = kl_test_scaled(25, 5);
+	char file[] = "/tmp/kl-check-pg.XXXXXX", its[24], line[300];
+	const char *args[7];
+	struct helper hs[4];
+	int64_t st[3] = { 0, 0, 0 };
+	int fd, status;
+
+	fd = mkstemp(file);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, st, sizeof st, 0), (ssize_t)sizeof st);
+	snprintf(its, sizeof its, "%ld", iters);
+	args[0] = "count";
+	args[1] = g_uri;
+	args[2] = key;
+	args[3] = file;
+	args[4] = "4";
+	args[5] = its;
+	args[6] = NULL;
+	for (int i = 0; i < 4; i++)
+		helper_spawn(&hs[i], args);
+	for (int i = 0; i < 4; i++) {
+		bool got = helper_line(&hs[i], line, sizeof line, 120000);
+
+		status = helper_reap(&hs[i], 10000);
+		ck_assert_msg(got && WIFEXITED(status) &&
+				      WEXITSTATUS(status) == 0,
+			      "helper %d: status 0x%x: %s", i,
+			      (unsigned)status, got ? line : "(no output)");
+	}
+	ck_assert_int_eq(pread(fd, st, sizeof st, 0), (ssize_t)sizeof st);
+	close(fd);
+	unlink(file);
+	ck_assert_int_eq(st[0], 4 * 4 * iters);
+	ck_assert_int_eq(st[1], 0);
+}
+END_TEST
+
+/* Starts pg_helper hold on key with uri and waits for its grant. */
+static void
+holder_start(struct helper *hp, const char *uri, const char *key)
+{
+	const char *args[] = { "hold", uri, key, NULL };
+	char line[300];
+
+	helper_spawn(hp, args);
+	ck_assert_msg(helper_line(hp, line, sizeof line, TEST_POLL_LIMIT_MS) &&
+			      line[0] == 'G',
+		      "helper: %s", line);
+}
+
+START_TEST(test_killed_holder_frees_the_key)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("killed");
+	int rounds = (int)kl_test_scaled(5, 2);
+	struct helper hp;
+	struct waiter *w;
+	int64_t killed;
+
+	/* TESTPLAN T24 (a): the kernel closes a dead holder's socket and
+	 * the server ends its session at once. */
+	for (int i = 0; i < rounds; i++) {
+		holder_start(&hp, g_uri, key);
+		w = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+		wait_status(p, key, 1, 1);
+		killed = now_ns();
+		kill(hp.pid, SIGKILL);
+		waiter_join(w);
+		ck_assert_msg(w->rc == KL_OK, "%s: %s", kl_strerror(w->rc),
+			      w->err.message);
+		ck_assert_msg(w->end_ns - killed < 1000000000LL,
+			      "round %d: granted %lld ms after the kill", i,
+			      (long long)((w->end_ns - killed) / 1000000));
+		helper_reap(&hp, 10000);
+		waiter_free(w);
+	}
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_stopped_holder_and_idle_session_timeout)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("stopped");
+	char uri[1024];
+	struct helper hp;
+	struct waiter *w;
+	int64_t stopped;
+
+	/* TESTPLAN T24 (b): a holder that stops without dying keeps its
+	 * session, unless the server ends idle sessions.  Its health checks
+	 * (every 500 ms) keep a live holder's session busy enough. */
+	uri_with(uri, sizeof uri, g_uri,
+		 "options=-c%20idle_session_timeout%3D2000&"
+		 "health_interval=500ms");
+	holder_start(&hp, uri, key);
+	test_sleep_ms(3000); /* longer than idle_session_timeout */
+	wait_status(p, key, 1, 0);
+	w = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 1, 1);
+	stopped = now_ns();
+	kill(hp.pid, SIGSTOP);
+	waiter_join(w);
+	kill(hp.pid, SIGKILL);
+	kill(hp.pid, SIGCONT);
+	helper_reap(&hp, 10000);
+	ck_assert_msg(w->rc == KL_OK, "%s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	ck_assert_msg(w->end_ns - stopped < 3000000000LL,
+		      "granted %lld ms after the stop",
+		      (long long)((w->end_ns - stopped) / 1000000));
+	waiter_free(w);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Lost sessions                                                       */
+
+START_TEST(test_terminated_backend_loses_the_lease)
+{
+	char extra[64];
+	kl_provider *p;
+	const char *key = new_key("terminate");
+	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct hold h;
+	kl_error err;
+	char sql[128];
+	long long pid;
+	int64_t t0, took;
+	int rc;
+
+	snprintf(extra, sizeof extra, "health_interval=%dms", HEALTH_MS);
+	p = open_pg(extra);
+	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, 0, &ev, &h, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_int_eq(event_count(&ev, KL_EV_ACQUIRED), 1);
+	pid = holder_pid(key);
+	ck_assert_int_gt(pid, 0);
+	snprintf(sql, sizeof sql, "SELECT pg_terminate_backend(%lld)::int",
+		 pid);
+	t0 = now_ms();
+	ck_assert_int_eq(admin_int(sql), 1);
+	while (kl_lease_valid(h.lease)) {
+		ck_assert_msg(now_ms() - t0 < 10 * HEALTH_MS + 3000,
+			      "lease still valid");
+		test_sleep_ms(5);
+	}
+	took = now_ms() - t0;
+	/* One health interval, plus the time to notice, on a loaded box. */
+	ck_assert_msg(took <= HEALTH_MS + 1500, "lost after %lld ms",
+		      (long long)took);
+	while (event_count(&ev, KL_EV_LOST) == 0) {
+		ck_assert_msg(now_ms() - t0 < TEST_POLL_LIMIT_MS,
+			      "no KL_EV_LOST");
+		test_sleep_ms(5);
+	}
+	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(ev.last_status[KL_EV_LOST], KL_EPROVIDER);
+	wait_server_locks(key, 0, 0);
+	/* Releasing what is no longer held is reported, and harmless. */
+	drop(&h);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(ev.last_status[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
+	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
+	/* The key is free, and the provider works on. */
+	take_ok(p, key, &h);
+	ck_assert(kl_lease_valid(h.lease));
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_dead_idle_connection_replaced)
+{
+	char extra[96], sql[256];
+	const char *key = new_key("idle");
+	kl_provider *p;
+	struct hold h;
+	long long n;
+
+	snprintf(extra, sizeof extra, "application_name=kl-idle-%d",
+		 (int)getpid());
+	p = open_pg(extra);
+	take_ok(p, key, &h);
+	drop(&h);
+	/* The pooled connection (and the status one) die while idle. */
+	snprintf(sql, sizeof sql,
+		 "SELECT count(pg_terminate_backend(pid)) FROM "
+		 "pg_stat_activity WHERE application_name = 'kl-idle-%d'",
+		 (int)getpid());
+	n = admin_int(sql);
+	ck_assert_int_ge(n, 1);
+	take_ok(p, key, &h);
+	ck_assert(kl_lease_valid(h.lease));
+	drop(&h);
+	wait_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Failures to connect, bad URIs, secrets                              */
+
+/* A TCP port of 127.0.0.1 that nothing listens on (just released). */
+static int
+closed_port(void)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET };
+	socklen_t len = sizeof a;
+	int fd = socket(AF_INET, SOCK_STREAM, 0), port;
+
+	ck_assert_int_ge(fd, 0);
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	ck_assert_int_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+	ck_assert_int_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+	port = ntohs(a.sin_port);
+	close(fd);
+	return port;
+}
+
+START_TEST(test_unreachable_server)
+{
+	char uri[256], msg[300], portstr[16];
+	int port = closed_port();
+
+	snprintf(uri, sizeof uri,
+		 "postgresql://kl_user:canary-Pw-7781@127.0.0.1:%d/keylock",
+		 port);
+	open_fails(uri, KL_EPROVIDER, 3000, msg, sizeof msg);
+	snprintf(portstr, sizeof portstr, "%d", port);
+	ck_assert_msg(strstr(msg, "127.0.0.1") != NULL &&
+			      strstr(msg, portstr) != NULL,
+		      "message does not name the server: %s", msg);
+	ck_assert_msg(strstr(msg, "canary-Pw-7781") == NULL,
+		      "password in: %s", msg);
+	/* TEST-NET-1: nothing answers (or the network is unreachable);
+	 * connect_timeout bounds the attempt. */
+	open_fails("postgresql://u:canary-Pw-7781@192.0.2.1:5432/"
+		   "keylock?connect_timeout=2",
+		   KL_EPROVIDER, 2000 + 2500, msg, sizeof msg);
+	ck_assert_msg(strstr(msg, "canary-Pw-7781") == NULL,
+		      "password in: %s", msg);
+}
+END_TEST
+
+START_TEST(test_bad_uris)
+{
+	char msg[300];
+
+	open_fails("postgresql://h/db?pool=0", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	open_fails("postgresql://h/db?pool=abc", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	open_fails("postgresql://h/db?pool=100000", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	open_fails("postgresql://h/db?health_interval=1ms", KL_EINVAL, 1000,
+		   msg, sizeof msg);
+	open_fails("postgresql://h/db?health_interval=soon", KL_EINVAL, 1000,
+		   msg, sizeof msg);
+	open_fails("postgresql://h/db?no_such_option=1", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	open_fails("postgresql://h/db?connect_timeout=x", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	/* A password libpq cannot decode is quoted in its message: masked. */
+	open_fails("postgresql://u:canary%zzSecret@h/db", KL_EINVAL, 1000, msg,
+		   sizeof msg);
+	ck_assert_msg(strstr(msg, "canary") == NULL, "password in: %s", msg);
+}
+END_TEST
+
+/* g_uri's server with user and password instead of its own. */
+static void
+uri_as(char *buf, size_t size, const char *base, const char *user,
+       const char *password)
+{
+	const char *s = strstr(base, "://"), *at, *end;
+	int n;
+
+	ck_assert_ptr_nonnull(s);
+	s += 3;
+	end = s + strcspn(s, "/?");
+	at = s;
+	for (const char *q = s; q < end; q++)
+		if (*q == '@')
+			at = q + 1;
+	n = snprintf(buf, size, "postgresql://%s:%s@%s", user, password, at);
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+START_TEST(test_authentication_failures)
+{
+	char uri[1024], msg[300];
+	const char *user, *pw;
+	PQconninfoOption *o, *opts;
+	kl_provider *p;
+
+	/* A role that does not exist, with a password: refused, quickly,
+	 * and the message names the server but not the password. */
+	uri_as(uri, sizeof uri, g_uri, "kl_no_such_role", "canary-Pw-5512");
+	open_fails(uri, KL_EPROVIDER, 3000, msg, sizeof msg);
+	ck_assert_msg(strstr(msg, "canary-Pw-5512") == NULL, "password in: %s",
+		      msg);
+	if (g_auth_uri == NULL)
+		return; /* no role with password authentication set up */
+
+	/* The right password works and never shows in a message. */
+	opts = PQconninfoParse(g_auth_uri, NULL);
+	ck_assert_ptr_nonnull(opts);
+	user = pw = NULL;
+	for (o = opts; o->keyword != NULL; o++) {
+		if (strcmp(o->keyword, "user") == 0)
+			user = o->val;
+		if (strcmp(o->keyword, "password") == 0)
+			pw = o->val;
+	}
+	ck_assert_ptr_nonnull(user);
+	ck_assert_ptr_nonnull(pw);
+	p = open_with(g_auth_uri, NULL);
+	kl_provider_free(p);
+	/* The wrong password: KL_EPROVIDER saying "authentication", in
+	 * well under a second on a local server. */
+	uri_as(uri, sizeof uri, g_auth_uri, user, "canary-Wrong-9034");
+	open_fails(uri, KL_EPROVIDER, 3000, msg, sizeof msg);
+	ck_assert_msg(strstr(msg, "authentication") != NULL,
+		      "not an authentication failure: %s", msg);
+	ck_assert_msg(strstr(msg, "canary-Wrong-9034") == NULL,
+		      "password in: %s", msg);
+	ck_assert_msg(strstr(msg, pw) == NULL, "password in: %s", msg);
+	/* The right password, a missing database: no password either. */
+	{
+		char base[1024];
+		int n = snprintf(base, sizeof base, "%s", g_auth_uri);
+		char *slash;
+
+		ck_assert(n > 0 && (size_t)n < sizeof base);
+		slash = strrchr(base, '/');
+		ck_assert_ptr_nonnull(slash);
+		snprintf(slash, sizeof base - (size_t)(slash - base),
+			 "/kl_no_such_db");
+		open_fails(base, KL_EPROVIDER, 3000, msg, sizeof msg);
+		ck_assert_msg(strstr(msg, pw) == NULL, "password in: %s", msg);
+	}
+	PQconninfoFree(opts);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static Suite *
+provider_pg_suite(void)
+{
+	Suite *s = suite_create("provider_pg");
+	TCase *tc;
+
+	tc = tcase_create("basics");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_key_id_stable);
+	tcase_add_test(tc, test_lock_shows_in_pg_locks);
+	tcase_add_test(tc, test_binary_and_long_keys);
+	tcase_add_test(tc, test_fence_strictly_increasing);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("waiting");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_try_once);
+	tcase_add_test(tc, test_timeout_leaves_nothing);
+	tcase_add_test(tc, test_cancel_from_another_thread);
+	tcase_add_test(tc, test_cancel_token_timeout);
+	tcase_add_test(tc, test_fifo_across_threads);
+	tcase_add_test(tc, test_threads_share_provider);
+	tcase_add_test(tc, test_pool_bound);
+	tcase_add_test(tc, test_errorcheck);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("processes");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 180);
+	tcase_add_test(tc, test_mutual_exclusion_processes);
+	tcase_add_test(tc, test_killed_holder_frees_the_key);
+	tcase_add_test(tc, test_stopped_holder_and_idle_session_timeout);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("lost");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_terminated_backend_loses_the_lease);
+	tcase_add_test(tc, test_dead_idle_connection_replaced);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("failures");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_unreachable_server);
+	tcase_add_test(tc, test_bad_uris);
+	tcase_add_test(tc, test_authentication_failures);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int
+main(void)
+{
+	SRunner *sr;
+	PGconn *c;
+	int failed;
+
+	g_uri = getenv("KEYLOCK_TEST_PG_URI");
+	if (g_uri == NULL || g_uri[0] == '\0') {
+		printf("SKIP: KEYLOCK_TEST_PG_URI is not set (tools/test "
+		       "--only pg starts a server and sets it)\n");
+		return 77;
+	}
+	g_auth_uri = getenv("KEYLOCK_TEST_PG_AUTH_URI");
+	if (g_auth_uri != NULL && g_auth_uri[0] == '\0')
+		g_auth_uri = NULL;
+	/* Checked before any test, and closed before the runner forks. */
+	c = PQconnectdb(g_uri);
+	if (PQstatus(c) != CONNECTION_OK) {
+		printf("SKIP: no PostgreSQL server at KEYLOCK_TEST_PG_URI: %s",
+		       PQerrorMessage(c));
+		PQfinish(c);
+		return 77;
+	}
+	PQfinish(c);
+	sr = srunner_create(provider_pg_suite());
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}

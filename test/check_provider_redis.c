@@ -1,0 +1,1736 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Tests of the Redis provider (libkeylock-redis, loaded by kl_provider_open
+ * from KEYLOCK_PROVIDER_DIR) against a real server: KEYLOCK_TEST_REDIS_URI
+ * names it (tools/test stage redis starts a throwaway one) and the suite
+ * exits 77 (skip) when it is unset or the server does not answer.  Nothing
+ * is faked.  KEYLOCK_TEST_REDIS_SERVER (the redis-server program),
+ * KEYLOCK_TEST_REDIS_PORT and KEYLOCK_TEST_REDIS_DIR let the restart test
+ * kill the server and start it again on the same port; without them that
+ * test only says it did nothing.
+ *
+ * Covered: exports; the key digest; acquire and release; binary keys;
+ * strict FIFO across threads (forced by the status op, never by sleeping);
+ * mutual exclusion across 4 processes of 4 threads; timeouts and try-once
+ * leaving nothing in Redis; cancellation; a holder killed with SIGKILL; a
+ * dead waiter at the head of the queue; foreign and stale releases never
+ * deleting another client's key; an external DEL reported as a lost lease
+ * (KL_EV_LOST); renewal across several ttls; fences; passwords (wrong ones,
+ * files, the environment, never shown in messages) and the ACL the manual
+ * documents; unreachable servers; malformed URIs; a stalled server
+ * (SIGSTOP); and a server restart while a lease is held and a waiter
+ * waits.
+ *
+ * Each test uses a key prefix of its own, so that it can list and check
+ * every Redis key it made.  Worker threads never call ck_assert*: they
+ * record, and the test's thread asserts after joining them.  Time bounds
+ * are wide: they catch hangs and early returns, not speed.
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <check.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <hiredis.h>
+
+#include "keylock.h"
+#include "redis_internal.h" /* kl__redis_sha256_hex, as the provider */
+#include "util.h"
+
+extern char **environ;
+
+/* Slack added to every time bound: scheduling, connects, a loaded CI. */
+#define SLACK_MS 1000
+#define MAX_HELPERS 8
+
+static const char *g_uri;  /* KEYLOCK_TEST_REDIS_URI */
+static char g_host[256];
+static int g_port;
+static int g_db;
+static char g_prefix[64]; /* this test's key prefix */
+static pid_t g_live[MAX_HELPERS];
+static pid_t g_stopped;    /* a server this test stopped (SIGSTOP) */
+static pid_t g_server_pid; /* the server when the suite started */
+
+/* ------------------------------------------------------------------ */
+/* The server, reached directly                                        */
+
+/* Host, port and database of g_uri (no password: the test server has
+ * none).  False when it does not have that shape. */
+static bool
+parse_base(void)
+{
+	const char *s = g_uri + strlen("redis://");
+	const char *colon, *end;
+	size_t n;
+
+	if (strncmp(g_uri, "redis://", 8) != 0 || strchr(s, '@') != NULL)
+		return false;
+	end = s + strcspn(s, "/?");
+	colon = memchr(s, ':', (size_t)(end - s));
+	n = (size_t)((colon != NULL ? colon : end) - s);
+	if (n == 0 || n >= sizeof g_host)
+		return false;
+	memcpy(g_host, s, n);
+	g_host[n] = '\0';
+	g_port = colon != NULL ? atoi(colon + 1) : 6379;
+	g_db = *end == '/' ? atoi(end + 1) : 0;
+	return g_port > 0;
+}
+
+static redisContext *
+raw_try(int timeout_ms)
+{
+	struct timeval tv = { timeout_ms / 1000, (timeout_ms % 1000) * 1000 };
+	redisContext *c = redisConnectWithTimeout(g_host, g_port, tv);
+	redisReply *r;
+
+	if (c == NULL || c->err != 0) {
+		if (c != NULL)
+			redisFree(c);
+		return NULL;
+	}
+	redisSetTimeout(c, (struct timeval){ 5, 0 });
+	if (g_db != 0) {
+		r = redisCommand(c, "SELECT %d", g_db);
+		if (r == NULL || r->type == REDIS_REPLY_ERROR) {
+			if (r != NULL)
+				freeReplyObject(r);
+			redisFree(c);
+			return NULL;
+		}
+		freeReplyObject(r);
+	}
+	return c;
+}
+
+/* A direct connection; fails the test when there is none. */
+static redisContext *
+raw(void)
+{
+	redisContext *c = raw_try(2000);
+
+	ck_assert_msg(c != NULL, "cannot connect to %s:%d", g_host, g_port);
+	return c;
+}
+
+/* Runs one command given as argv strings; the reply must be no error. */
+static redisReply *
+rcmd(redisContext *c, int argc, const char **argv)
+{
+	redisReply *r = redisCommandArgv(c, argc, argv, NULL);
+
+	ck_assert_msg(r != NULL, "%s: %s", argv[0], c->errstr);
+	ck_assert_msg(r->type != REDIS_REPLY_ERROR, "%s: %s", argv[0],
+		      r->str);
+	return r;
+}
+
+static long long
+rint_cmd(redisContext *c, int argc, const char **argv)
+{
+	redisReply *r = rcmd(c, argc, argv);
+	long long v;
+
+	ck_assert_int_eq(r->type, REDIS_REPLY_INTEGER);
+	v = r->integer;
+	freeReplyObject(r);
+	return v;
+}
+
+/* A field of INFO server, as a number; false when it cannot be had.
+ * Asserts nothing, so that main may use it. */
+static bool
+info_try(const char *field, long long *v)
+{
+	redisContext *c = raw_try(2000);
+	redisReply *r;
+	const char *p;
+	bool ok = false;
+
+	if (c == NULL)
+		return false;
+	r = redisCommand(c, "INFO server");
+	if (r != NULL && r->type == REDIS_REPLY_STRING &&
+	    (p = strstr(r->str, field)) != NULL) {
+		*v = strtoll(p + strlen(field) + 1, NULL, 10);
+		ok = true;
+	}
+	if (r != NULL)
+		freeReplyObject(r);
+	redisFree(c);
+	return ok;
+}
+
+static long long
+info_number(const char *field)
+{
+	long long v = 0;
+
+	ck_assert_msg(info_try(field, &v), "no %s from INFO server", field);
+	return v;
+}
+
+/* The Redis key names the provider uses for key (suffix "", ":q", ...). */
+static void
+key_name(char *buf, size_t size, const char *key, const char *suffix)
+{
+	char hex[65];
+
+	kl__redis_sha256_hex(key, strlen(key), hex);
+	snprintf(buf, size, "%s{%s}%s", g_prefix, hex, suffix);
+}
+
+/* How many Redis keys this test's prefix has, and whether each is one of
+ * those allowed (by suffix after the "}"). */
+static int
+count_keys(const char *allowed_csv)
+{
+	redisContext *c = raw();
+	char pattern[96];
+	const char *argv[2] = { "KEYS", pattern };
+	redisReply *r;
+	int n;
+
+	snprintf(pattern, sizeof pattern, "%s*", g_prefix);
+	r = rcmd(c, 2, argv);
+	ck_assert_int_eq(r->type, REDIS_REPLY_ARRAY);
+	n = (int)r->elements;
+	for (size_t i = 0; i < r->elements; i++) {
+		const char *k = r->element[i]->str;
+		const char *close = strchr(k, '}');
+		char want[64];
+
+		ck_assert_msg(close != NULL, "odd key %s", k);
+		snprintf(want, sizeof want, ",%s,", close + 1);
+		ck_assert_msg(strstr(allowed_csv, want) != NULL,
+			      "key %s left behind (allowed: %s)", k,
+			      allowed_csv);
+	}
+	freeReplyObject(r);
+	redisFree(c);
+	return n;
+}
+
+/* ------------------------------------------------------------------ */
+/* URIs, providers, locks, events                                      */
+
+/* g_uri with this test's prefix and opts ("a=b&c=d"). */
+static void
+uri_with(char *buf, size_t size, const char *opts)
+{
+	int n = snprintf(buf, size, "%s%cprefix=%s%s%s", g_uri,
+			 strchr(g_uri, '?') != NULL ? '&' : '?', g_prefix,
+			 opts[0] != '\0' ? "&" : "", opts);
+
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+static kl_provider *
+open_opts(const char *opts)
+{
+	char uri[1024];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	uri_with(uri, sizeof uri, opts);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_open: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+/* The usual provider: no restart guard (the test server is fresh). */
+static kl_provider *
+open_default(void)
+{
+	return open_opts("restart_guard=0");
+}
+
+struct events {
+	pthread_mutex_t mu;
+	int n[5];
+	int64_t lost_ns;
+	int last_status;
+};
+
+static void
+on_event(const kl_event *ev, void *arg)
+{
+	struct events *e = arg;
+
+	pthread_mutex_lock(&e->mu);
+	if (ev->type <= KL_EV_LOST)
+		e->n[ev->type]++;
+	if (ev->type == KL_EV_LOST && e->lost_ns == 0)
+		e->lost_ns = now_ns();
+	e->last_status = ev->status;
+	pthread_mutex_unlock(&e->mu);
+}
+
+static void
+events_init(struct events *e)
+{
+	memset(e, 0, sizeof *e);
+	pthread_mutex_init(&e->mu, NULL);
+}
+
+static int
+events_count(struct events *e, kl_event_type t)
+{
+	int n;
+
+	pthread_mutex_lock(&e->mu);
+	n = e->n[t];
+	pthread_mutex_unlock(&e->mu);
+	return n;
+}
+
+struct hold {
+	kl_lock *l;
+	kl_lease *lease;
+	struct events ev;
+};
+
+/* Acquires key on p into h; returns the status (h holds nothing unless
+ * KL_OK).  ttl_ms 0: the provider's. */
+static int
+take(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
+     kl_cancel *c, struct hold *h, kl_error *err)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = NULL, .cancel = c };
+	int rc;
+
+	events_init(&h->ev);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	o.ttl_ms = ttl_ms;
+	o.on_event = on_event;
+	o.event_arg = &h->ev;
+	h->lease = NULL;
+	ck_assert_int_eq(kl_lock_new(&h->l, &o), KL_OK);
+	if (err != NULL)
+		memset(err, 0, sizeof *err);
+	rc = kl_lock_acquire(h->l, &call, &h->lease, err);
+	if (rc != KL_OK)
+		ck_assert_ptr_null(h->lease);
+	else
+		ck_assert_ptr_nonnull(h->lease);
+	return rc;
+}
+
+static void
+take_ok(kl_provider *p, const char *key, int64_t ttl_ms, struct hold *h)
+{
+	kl_error err;
+	int rc = take(p, key, 10000, ttl_ms, NULL, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "acquire %s: %s: %s", key, kl_strerror(rc),
+		      err.message);
+}
+
+static void
+drop(struct hold *h)
+{
+	kl_lease_release(h->lease);
+	h->lease = NULL;
+}
+
+static void
+hold_free(struct hold *h)
+{
+	if (h->lease != NULL)
+		drop(h);
+	kl_lock_free(h->l);
+	h->l = NULL;
+}
+
+static void
+status_of(kl_provider *p, const char *key, size_t *holders, size_t *waiters)
+{
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_status(p, key, holders, waiters, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
+		      kl_strerror(rc), err.message);
+}
+
+static void
+assert_status(kl_provider *p, const char *key, size_t holders,
+	      size_t waiters)
+{
+	size_t h, w;
+
+	status_of(p, key, &h, &w);
+	ck_assert_msg(h == holders && w == waiters,
+		      "key %s: %zu holders and %zu waiters, expected %zu and "
+		      "%zu",
+		      key, h, w, holders, waiters);
+}
+
+/* Polls until key has exactly holders and waiters. */
+static void
+wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	size_t h, w;
+
+	for (;;) {
+		status_of(p, key, &h, &w);
+		if (h == holders && w == waiters)
+			return;
+		if (now_ms() > limit)
+			ck_abort_msg("key %s: still %zu holders and %zu "
+				     "waiters, expected %zu and %zu",
+				     key, h, w, holders, waiters);
+		test_sleep_ms(2);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Waiter threads                                                      */
+
+struct waiter {
+	kl_provider *p;
+	const char *key;
+	int64_t timeout_ms;
+	kl_cancel *cancel;
+	atomic_long *seq_src; /* grant numbers, taken inside the lock */
+	bool keep;            /* keep the lease for the test to release */
+	pthread_t t;
+	/* Outputs, read after join. */
+	int rc;
+	long seq;
+	uint64_t fence;
+	int64_t start_ns, end_ns;
+	char message[256];
+	struct hold h;
+};
+
+static void *
+waiter_main(void *arg)
+{
+	struct waiter *w = arg;
+	kl_error err;
+
+	w->seq = -1;
+	w->start_ns = now_ns();
+	w->rc = take(w->p, w->key, w->timeout_ms, 0, w->cancel, &w->h, &err);
+	w->end_ns = now_ns();
+	memcpy(w->message, err.message, sizeof w->message);
+	if (w->rc == KL_OK) {
+		w->fence = kl_lease_fence(w->h.lease);
+		if (w->seq_src != NULL)
+			w->seq = atomic_fetch_add(w->seq_src, 1);
+		if (!w->keep)
+			drop(&w->h);
+	}
+	return NULL;
+}
+
+static void
+waiter_start(struct waiter *w, kl_provider *p, const char *key,
+	     int64_t timeout_ms, kl_cancel *c)
+{
+	w->p = p;
+	w->key = key;
+	w->timeout_ms = timeout_ms;
+	w->cancel = c;
+	w->rc = 1;
+	test_thread_start(&w->t, waiter_main, w);
+}
+
+static void
+waiter_join(struct waiter *w)
+{
+	test_thread_join(w->t);
+}
+
+/* ------------------------------------------------------------------ */
+/* Helper processes (test/redis_helper)                                */
+
+struct helper {
+	pid_t pid;
+	int to, from;
+};
+
+static const char *
+helper_path(void)
+{
+	static char path[PATH_MAX];
+	char self[PATH_MAX], *slash;
+	const char *top = getenv("top_builddir");
+	ssize_t n;
+
+	if (path[0] != '\0')
+		return path;
+	n = readlink("/proc/self/exe", self, sizeof self - 1);
+	if (n > 0) {
+		self[n] = '\0';
+		if ((slash = strrchr(self, '/')) != NULL) {
+			*slash = '\0';
+			int len = snprintf(path, sizeof path,
+					   "%s/redis_helper", self);
+
+			if (len > 0 && (size_t)len < sizeof path &&
+			    access(path, X_OK) == 0)
+				return path;
+		}
+	}
+	if (snprintf(path, sizeof path, "%s/test/redis_helper",
+		     top != NULL ? top : ".") >= (int)sizeof path)
+		path[0] = '\0';
+	return path;
+}
+
+static void
+live_add(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] == 0) {
+			g_live[i] = pid;
+			return;
+		}
+	}
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	ck_abort_msg("too many helper processes");
+}
+
+static void
+live_remove(pid_t pid)
+{
+	for (int i = 0; i < MAX_HELPERS; i++)
+		if (g_live[i] == pid)
+			g_live[i] = 0;
+}
+
+/* Starts redis_helper with args (NULL-terminated, after the program
+ * name), with pipes to its stdin and from its stdout. */
+static void
+helper_spawn(struct helper *h, const char **args)
+{
+	posix_spawn_file_actions_t fa;
+	char *argv[10];
+	int in[2], out[2], rc, n = 0;
+
+	argv[n++] = (char *)"redis_helper";
+	while (*args != NULL && n < 9)
+		argv[n++] = (char *)*args++;
+	argv[n] = NULL;
+	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
+	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
+	posix_spawn_file_actions_destroy(&fa);
+	close(in[0]);
+	close(out[1]);
+	ck_assert_msg(rc == 0, "posix_spawn %s: %s", helper_path(),
+		      strerror(rc));
+	live_add(h->pid);
+	h->to = in[1];
+	h->from = out[0];
+}
+
+/* One line from the helper (without the newline); false at end of file. */
+static bool
+helper_line(struct helper *h, char *buf, size_t size)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
+	size_t n = 0;
+	ssize_t r;
+	char c;
+
+	for (;;) {
+		int64_t left = limit - now_ms();
+
+		ck_assert_msg(left > 0, "no line from helper %d",
+			      (int)h->pid);
+		if (poll(&pfd, 1, (int)left) <= 0)
+			continue;
+		r = read(h->from, &c, 1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
+		if (r == 0) {
+			buf[n] = '\0';
+			return false;
+		}
+		if (c == '\n')
+			break;
+		if (n + 1 < size)
+			buf[n++] = c;
+	}
+	buf[n] = '\0';
+	return true;
+}
+
+static uint64_t
+helper_granted(struct helper *h)
+{
+	char line[300];
+	uint64_t fence = 0;
+
+	ck_assert_msg(helper_line(h, line, sizeof line),
+		      "helper %d ended without a grant", (int)h->pid);
+	ck_assert_msg(sscanf(line, "G %" SCNu64, &fence) == 1, "helper %d: %s",
+		      (int)h->pid, line);
+	return fence;
+}
+
+static int
+helper_reap(struct helper *h)
+{
+	int64_t limit = now_ms() + 60000;
+	int status = 0;
+	pid_t r;
+
+	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
+		ck_assert_msg(now_ms() < limit, "helper %d still running",
+			      (int)h->pid);
+		test_sleep_ms(5);
+	}
+	ck_assert_int_eq(r, h->pid);
+	live_remove(h->pid);
+	close(h->to);
+	close(h->from);
+	return status;
+}
+
+static void
+helper_kill(struct helper *h)
+{
+	ck_assert_int_eq(kill(h->pid, SIGKILL), 0);
+	helper_reap(h);
+}
+
+/* ------------------------------------------------------------------ */
+/* Fixture                                                             */
+
+static void
+setup(void)
+{
+	static atomic_int counter;
+
+	snprintf(g_prefix, sizeof g_prefix, "kltest:%d:%d:", (int)getpid(),
+		 atomic_fetch_add(&counter, 1));
+	memset(g_live, 0, sizeof g_live);
+	unsetenv("KEYLOCK_REDIS_PASSWORD");
+}
+
+static void
+teardown(void)
+{
+	if (g_stopped > 0) {
+		kill(g_stopped, SIGCONT);
+		g_stopped = 0;
+	}
+	for (int i = 0; i < MAX_HELPERS; i++) {
+		if (g_live[i] > 0) {
+			kill(g_live[i], SIGKILL);
+			waitpid(g_live[i], NULL, 0);
+			g_live[i] = 0;
+		}
+	}
+}
+
+/* In the runner's process, after the server tests: a test that failed
+ * while the server was stopped ends in its forked child without its
+ * checked teardown, so resume the server from here too. */
+static void
+resume_server(void)
+{
+	if (g_server_pid > 0)
+		kill(g_server_pid, SIGCONT);
+}
+
+/* ------------------------------------------------------------------ */
+/* Basics                                                              */
+
+START_TEST(test_sha256_vectors)
+{
+	static const struct {
+		const char *in;
+		size_t repeat;
+		const char *hex;
+	} v[] = {
+		{ "", 0,
+		  "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b"
+		  "7852b855" },
+		{ "abc", 1,
+		  "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61"
+		  "f20015ad" },
+		{ "abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+		  1,
+		  "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd4"
+		  "19db06c1" },
+		{ "a", 1000000,
+		  "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39cc"
+		  "c7112cd0" },
+	};
+	char hex[65];
+
+	for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) {
+		size_t len = strlen(v[i].in) * v[i].repeat;
+		char *buf = malloc(len + 1);
+
+		ck_assert_ptr_nonnull(buf);
+		for (size_t j = 0; j < v[i].repeat; j++)
+			memcpy(buf + j * strlen(v[i].in), v[i].in,
+			       strlen(v[i].in));
+		kl__redis_sha256_hex(buf, len, hex);
+		ck_assert_str_eq(hex, v[i].hex);
+		free(buf);
+	}
+}
+END_TEST
+
+/* libkeylock-redis exports exactly src/libkeylock-redis.sym, and
+ * libkeylock does not link hiredis. */
+START_TEST(test_exports)
+{
+	const char *top = getenv("top_builddir"), *src = getenv("top_srcdir");
+	const char *nm = getenv("NM");
+	char cmd[PATH_MAX * 2], line[512], want[512];
+	FILE *f, *sym;
+	int n = 0;
+
+	if (top == NULL || src == NULL) {
+		fprintf(stderr, "test_exports: top_builddir or top_srcdir "
+				"unset (not run by make check): nothing "
+				"done\n");
+		return;
+	}
+	snprintf(cmd, sizeof cmd,
+		 "%s -D --defined-only %s/src/.libs/libkeylock-redis.so | "
+		 "awk 'NF == 3 && $2 ~ /^[TDBR]$/ { sub(/@.*/, \"\", $3); "
+		 "print $3 }' | LC_ALL=C sort -u",
+		 nm != NULL && nm[0] != '\0' ? nm : "nm", top);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	snprintf(want, sizeof want, "%s/src/libkeylock-redis.sym", src);
+	sym = fopen(want, "r");
+	ck_assert_msg(sym != NULL, "%s: %s", want, strerror(errno));
+	while (fgets(line, sizeof line, f) != NULL) {
+		ck_assert_msg(fgets(want, sizeof want, sym) != NULL,
+			      "unexpected export %s", line);
+		ck_assert_str_eq(line, want);
+		ck_assert_msg(strncmp(line, "kl_redis_", 9) == 0,
+			      "export %s", line);
+		n++;
+	}
+	ck_assert_msg(fgets(want, sizeof want, sym) == NULL,
+		      "missing export %s", want);
+	ck_assert_int_eq(pclose(f), 0);
+	fclose(sym);
+	ck_assert_int_gt(n, 0);
+
+	snprintf(cmd, sizeof cmd,
+		 "readelf -d %s/src/.libs/libkeylock.so 2>/dev/null | "
+		 "grep -c hiredis",
+		 top);
+	f = popen(cmd, "r");
+	ck_assert_ptr_nonnull(f);
+	ck_assert_ptr_nonnull(fgets(line, sizeof line, f));
+	pclose(f);
+	ck_assert_msg(atoi(line) == 0, "libkeylock.so links hiredis");
+}
+END_TEST
+
+START_TEST(test_acquire_release)
+{
+	kl_provider *p = open_default();
+	struct hold h;
+	char lock[160], fence[160];
+	redisContext *c = raw();
+	const char *get[2] = { "GET", lock };
+	const char *pttl[2] = { "PTTL", lock };
+	redisReply *r;
+
+	key_name(lock, sizeof lock, "alpha", "");
+	key_name(fence, sizeof fence, "alpha", ":f");
+	take_ok(p, "alpha", 0, &h);
+	ck_assert(kl_lease_valid(h.lease));
+	ck_assert_uint_gt(kl_lease_fence(h.lease), 0);
+	assert_status(p, "alpha", 1, 0);
+	/* The key holds a 32-hex-digit token and expires by itself. */
+	r = rcmd(c, 2, get);
+	ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
+	ck_assert_uint_eq(r->len, 32);
+	freeReplyObject(r);
+	ck_assert_int_gt(rint_cmd(c, 2, pttl), 0);
+	ck_assert_int_le(rint_cmd(c, 2, pttl), 30000);
+	drop(&h);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
+	assert_status(p, "alpha", 0, 0);
+	/* Only the fence counter stays, and it expires too. */
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	hold_free(&h);
+	redisFree(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Keys of any bytes (and huge ones) map to fixed-length names under the
+ * prefix: no key can name another Redis key or inject a command. */
+START_TEST(test_binary_keys)
+{
+	static const char *const keys[] = {
+		"",
+		"a b\r\n*3\r\n$3\r\nDEL\r\n",
+		"{other}",
+		"\x01\x02\xff\xfe",
+		"keylock:{x}:q",
+	};
+	kl_provider *p = open_default();
+	struct hold h[5];
+	size_t big_len = 1 << 20;
+	char *big = malloc(big_len + 1);
+	struct hold hb;
+
+	for (size_t i = 0; i < 5; i++)
+		take_ok(p, keys[i], 0, &h[i]);
+	/* All held at once: distinct locks. */
+	for (size_t i = 0; i < 5; i++)
+		assert_status(p, keys[i], 1, 0);
+	ck_assert_int_eq(count_keys(",,:f,"), 10);
+	for (size_t i = 0; i < 5; i++)
+		hold_free(&h[i]);
+	ck_assert_ptr_nonnull(big);
+	memset(big, 'k', big_len);
+	big[big_len] = '\0';
+	take_ok(p, big, 0, &hb);
+	assert_status(p, big, 1, 0);
+	hold_free(&hb);
+	free(big);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_errorcheck_refused)
+{
+	kl_provider *p = open_default();
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lease *lease = NULL;
+	kl_lock *l;
+	kl_error err;
+
+	o.provider = p;
+	o.key = "ec";
+	o.flags = KL_ERRORCHECK;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, &err), KL_EINVAL);
+	ck_assert_ptr_null(lease);
+	ck_assert_ptr_nonnull(strstr(err.message, "not supported"));
+	kl_lock_free(l);
+	ck_assert_int_eq(count_keys(","), 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* FIFO and mutual exclusion                                           */
+
+START_TEST(test_fifo_threads)
+{
+	kl_provider *p = open_default();
+	struct waiter w[4];
+	atomic_long seq;
+	struct hold h;
+
+	atomic_init(&seq, 0);
+	memset(w, 0, sizeof w);
+	take_ok(p, "fifo", 0, &h);
+	/* Queued one at a time, each confirmed by the status op. */
+	for (int i = 0; i < 4; i++) {
+		w[i].seq_src = &seq;
+		waiter_start(&w[i], p, "fifo", 20000, NULL);
+		wait_status(p, "fifo", 1, (size_t)i + 1);
+	}
+	drop(&h);
+	for (int i = 0; i < 4; i++)
+		waiter_join(&w[i]);
+	for (int i = 0; i < 4; i++) {
+		ck_assert_msg(w[i].rc == KL_OK, "waiter %d: %s: %s", i,
+			      kl_strerror(w[i].rc), w[i].message);
+		ck_assert_msg(w[i].seq == i, "waiter %d granted as number %ld",
+			      i, w[i].seq);
+		if (i > 0)
+			ck_assert_uint_gt(w[i].fence, w[i - 1].fence);
+		hold_free(&w[i].h);
+	}
+	assert_status(p, "fifo", 0, 0);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	hold_free(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+struct shared {
+	volatile int64_t owner, count, violations;
+};
+
+START_TEST(test_mutual_exclusion_processes)
+{
+	char uri[1024], file[] = "/tmp/kl-redis-mutex.XXXXXX", iters[16];
+	const char *args[7];
+	struct helper h[4];
+	struct shared *sh;
+	long n = kl_test_scaled(25, 5);
+	int fd;
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	fd = mkstemp(file);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, 4096), 0);
+	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	ck_assert(sh != MAP_FAILED);
+	close(fd);
+	snprintf(iters, sizeof iters, "%ld", n);
+	args[0] = "mutex";
+	args[1] = uri;
+	args[2] = "mx";
+	args[3] = file;
+	args[4] = "4";
+	args[5] = iters;
+	args[6] = NULL;
+	for (int i = 0; i < 4; i++)
+		helper_spawn(&h[i], args);
+	for (int i = 0; i < 4; i++) {
+		char line[300] = "";
+		int st = helper_reap(&h[i]);
+
+		if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+			ck_abort_msg("helper %d: status 0x%x: %s", i,
+				     (unsigned)st,
+				     read(h[i].from, line, sizeof line - 1) >
+						     0
+					     ? line
+					     : "");
+		}
+	}
+	ck_assert_int_eq(sh->violations, 0);
+	ck_assert_int_eq(sh->count, 16 * n);
+	munmap(sh, sizeof *sh);
+	unlink(file);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Timeouts, try-once, cancellation                                    */
+
+START_TEST(test_timeout)
+{
+	kl_provider *p = open_default();
+	struct hold h, t;
+	kl_error err;
+	int64_t t0, ms;
+
+	take_ok(p, "to", 0, &h);
+	t0 = now_ms();
+	ck_assert_int_eq(take(p, "to", 300, 0, NULL, &t, &err), KL_ETIMEDOUT);
+	ms = now_ms() - t0;
+	ck_assert_int_ge(ms, 300);
+	ck_assert_int_le(ms, 300 + SLACK_MS);
+	ck_assert_int_eq(events_count(&t.ev, KL_EV_REJECTED), 1);
+	ck_assert_int_eq(t.ev.last_status, KL_ETIMEDOUT);
+	/* Nothing of the waiter is left: no queue, heartbeat or wake list. */
+	assert_status(p, "to", 1, 0);
+	ck_assert_int_eq(count_keys(",,:f,"), 2);
+	hold_free(&t);
+	hold_free(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_try_once)
+{
+	kl_provider *p = open_default();
+	struct hold h, t;
+	kl_error err;
+	int64_t t0;
+
+	take_ok(p, "try", 0, &h);
+	t0 = now_ms();
+	ck_assert_int_eq(take(p, "try", 0, 0, NULL, &t, &err), KL_ETIMEDOUT);
+	ck_assert_int_le(now_ms() - t0, SLACK_MS);
+	/* Never queued. */
+	assert_status(p, "try", 1, 0);
+	ck_assert_int_eq(count_keys(",,:f,"), 2);
+	hold_free(&t);
+	drop(&h);
+	ck_assert_int_eq(take(p, "try", 0, 0, NULL, &t, &err), KL_OK);
+	hold_free(&t);
+	hold_free(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_cancel)
+{
+	kl_provider *p = open_default();
+	struct waiter w;
+	kl_cancel *c;
+	struct hold h;
+	int64_t t0;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	take_ok(p, "cx", 0, &h);
+	waiter_start(&w, p, "cx", 20000, c);
+	wait_status(p, "cx", 1, 1);
+	t0 = now_ns();
+	kl_cancel_fire(c);
+	waiter_join(&w);
+	ck_assert_int_eq(w.rc, KL_ECANCELED);
+	/* Noticed within a slice of its BLPOP, not at its timeout. */
+	ck_assert_int_le((w.end_ns - t0) / 1000000, 500);
+	assert_status(p, "cx", 1, 0);
+	ck_assert_int_eq(count_keys(",,:f,"), 2);
+	hold_free(&w.h);
+	/* A token fired before the call: at once, nothing queued. */
+	ck_assert_int_eq(take(p, "cx", 20000, 0, c, &w.h, NULL), KL_ECANCELED);
+	assert_status(p, "cx", 1, 0);
+	hold_free(&w.h);
+	hold_free(&h);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Dead clients                                                        */
+
+START_TEST(test_holder_killed)
+{
+	char uri[1024];
+	const char *args[] = { "hold", uri, "dead", "1000", NULL };
+	kl_provider *p = open_default();
+	struct helper hp;
+	struct waiter w;
+	int64_t t0;
+
+	memset(&w, 0, sizeof w);
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	helper_spawn(&hp, args);
+	helper_granted(&hp);
+	waiter_start(&w, p, "dead", 20000, NULL);
+	wait_status(p, "dead", 1, 1);
+	t0 = now_ns();
+	helper_kill(&hp);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK, "%s: %s", kl_strerror(w.rc), w.message);
+	/* Within the ttl (1 s, from the last renewal) plus slack. */
+	ck_assert_int_le((w.end_ns - t0) / 1000000, 1000 + SLACK_MS);
+	hold_free(&w.h);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_dead_waiter_at_head)
+{
+	char uri[1024];
+	const char *args[] = { "wait", uri, "head", "60000", NULL };
+	kl_provider *p = open_opts("restart_guard=0&heartbeat=500ms");
+	struct helper hp;
+	struct waiter w;
+	struct hold h;
+	int64_t t0;
+
+	memset(&w, 0, sizeof w);
+	uri_with(uri, sizeof uri, "restart_guard=0&heartbeat=500ms");
+	take_ok(p, "head", 0, &h);
+	helper_spawn(&hp, args);
+	wait_status(p, "head", 1, 1);
+	waiter_start(&w, p, "head", 20000, NULL);
+	wait_status(p, "head", 1, 2);
+	helper_kill(&hp);
+	t0 = now_ns();
+	drop(&h);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK, "%s: %s", kl_strerror(w.rc), w.message);
+	/* The dead head blocks it for at most its heartbeat. */
+	ck_assert_int_le((w.end_ns - t0) / 1000000, 500 + SLACK_MS);
+	hold_free(&w.h);
+	hold_free(&h);
+	assert_status(p, "head", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Ownership                                                           */
+
+/* A lease whose key was deleted (or expired) and taken by another client:
+ * its release must not delete the other client's key. */
+START_TEST(test_foreign_release)
+{
+	kl_provider *a = open_default(), *b = open_default();
+	char lock[160], holder[64];
+	const char *del[2] = { "DEL", lock };
+	const char *get[2] = { "GET", lock };
+	const char *pexpire[3] = { "PEXPIRE", lock, "1" };
+	redisContext *c = raw();
+	int rounds = (int)kl_test_scaled(20, 4);
+
+	key_name(lock, sizeof lock, "own", "");
+	for (int i = 0; i < rounds; i++) {
+		struct hold ha, hb;
+		redisReply *r;
+
+		take_ok(a, "own", 0, &ha);
+		if (i % 2 == 0) {
+			ck_assert_int_eq(rint_cmd(c, 2, del), 1);
+		} else {
+			ck_assert_int_eq(rint_cmd(c, 3, pexpire), 1);
+			test_sleep_ms(5);
+		}
+		take_ok(b, "own", 0, &hb);
+		r = rcmd(c, 2, get);
+		ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
+		snprintf(holder, sizeof holder, "%s", r->str);
+		freeReplyObject(r);
+		/* A's release is a foreign one now. */
+		drop(&ha);
+		ck_assert_int_eq(events_count(&ha.ev, KL_EV_RELEASE_FAILED), 1);
+		ck_assert_int_eq(ha.ev.last_status, KL_EPROVIDER);
+		r = rcmd(c, 2, get);
+		ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
+		ck_assert_str_eq(r->str, holder);
+		freeReplyObject(r);
+		assert_status(b, "own", 1, 0);
+		ck_assert(kl_lease_valid(hb.lease));
+		drop(&hb);
+		ck_assert_int_eq(events_count(&hb.ev, KL_EV_RELEASED), 1);
+		hold_free(&ha);
+		hold_free(&hb);
+	}
+	redisFree(c);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
+static bool
+lease_invalid(void *arg)
+{
+	return !kl_lease_valid(arg);
+}
+
+START_TEST(test_external_del_is_lost)
+{
+	kl_provider *p = open_default();
+	char lock[160];
+	const char *del[2] = { "DEL", lock };
+	redisContext *c = raw();
+	struct hold h;
+	int64_t t0, lost;
+
+	key_name(lock, sizeof lock, "gone", "");
+	take_ok(p, "gone", 600, &h);
+	ck_assert(kl_lease_valid(h.lease));
+	ck_assert_int_eq(rint_cmd(c, 2, del), 1);
+	t0 = now_ns();
+	test_poll(lease_invalid, h.lease, "the lease to be lost");
+	lost = (now_ns() - t0) / 1000000;
+	/* The next renewal (a third of the ttl) reports it. */
+	ck_assert_int_le(lost, 200 + SLACK_MS);
+	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+		test_sleep_ms(2);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	drop(&h);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	hold_free(&h);
+	redisFree(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_renewal_keeps_lease)
+{
+	kl_provider *p = open_default(), *q = open_default();
+	struct hold h, t;
+	kl_error err;
+	char lock[160];
+	const char *pttl[2] = { "PTTL", lock };
+	redisContext *c = raw();
+
+	key_name(lock, sizeof lock, "renew", "");
+	take_ok(p, "renew", 300, &h);
+	for (int i = 0; i < 12; i++) {
+		test_sleep_ms(100);
+		ck_assert(kl_lease_valid(h.lease));
+		ck_assert_int_eq(take(q, "renew", 0, 0, NULL, &t, &err),
+				 KL_ETIMEDOUT);
+		hold_free(&t);
+	}
+	ck_assert_int_gt(rint_cmd(c, 2, pttl), 0);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 0);
+	drop(&h);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
+	hold_free(&h);
+	redisFree(c);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+START_TEST(test_fence_increasing)
+{
+	kl_provider *p[2] = { open_default(), open_default() };
+	uint64_t last = 0;
+	int n = (int)kl_test_scaled(200, 20);
+
+	for (int i = 0; i < n; i++) {
+		struct hold h;
+		uint64_t f;
+
+		take_ok(p[i % 2], "fence", 0, &h);
+		f = kl_lease_fence(h.lease);
+		ck_assert_msg(f > last, "fence %" PRIu64 " after %" PRIu64, f,
+			      last);
+		last = f;
+		hold_free(&h);
+	}
+	kl_provider_free(p[0]);
+	kl_provider_free(p[1]);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Passwords and failures to connect                                   */
+
+#define CANARY "Canary-7f3a9c-Secret"
+
+/* Creates (or deletes) an ACL user with the password CANARY: full rights,
+ * or only those the manual page lists, on this test's keys. */
+static void
+acl_user(const char *user, bool create, bool restricted)
+{
+	redisContext *c = raw();
+	char keys[80];
+	const char *set[] = { "ACL",   "SETUSER", user,     "reset",
+			      "on",    ">" CANARY, "~*",    "+@all" };
+	const char *setr[] = { "ACL",	   "SETUSER", user,   "reset",
+			       "on",	   ">" CANARY, keys,   "+@read",
+			       "+@write", "+@scripting", "+info", "+time",
+			       "+select" };
+	const char *del[] = { "ACL", "DELUSER", user };
+	redisReply *r;
+
+	snprintf(keys, sizeof keys, "~%s*", g_prefix);
+	if (!create)
+		r = rcmd(c, 3, del);
+	else if (restricted)
+		r = rcmd(c, 13, setr);
+	else
+		r = rcmd(c, 8, set);
+	freeReplyObject(r);
+	redisFree(c);
+}
+
+/* Opening uri fails with status within bound_ms, saying something that
+ * contains want, never the canary. */
+static void
+open_fails(const char *uri, int status, const char *want, int64_t bound_ms)
+{
+	kl_provider *p = (kl_provider *)&p;
+	kl_error err;
+	int64_t t0 = now_ms();
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == status, "open gave %s (%s)", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_null(p);
+	ck_assert_int_le(now_ms() - t0, bound_ms);
+	ck_assert_msg(strstr(err.message, want) != NULL,
+		      "message '%s' lacks '%s'", err.message, want);
+	ck_assert_msg(strstr(err.message, "Canary") == NULL,
+		      "the password shows in '%s'", err.message);
+}
+
+static void
+base_with_auth(char *buf, size_t size, const char *userinfo,
+	       const char *opts)
+{
+	int n = snprintf(buf, size, "redis://%s@%s:%d/%d?prefix=%s%s%s",
+			 userinfo, g_host, g_port, g_db, g_prefix,
+			 opts[0] != '\0' ? "&" : "", opts);
+
+	ck_assert(n > 0 && (size_t)n < size);
+}
+
+START_TEST(test_auth)
+{
+	char user[64], info[160], uri[1024], file[] = "/tmp/kl-redis-pw.XXXXXX";
+	kl_provider *p;
+	kl_error err;
+	struct hold h;
+	int fd;
+
+	snprintf(user, sizeof user, "kltest%d", (int)getpid());
+	acl_user(user, true, false);
+
+	/* Wrong password: refused quickly, never shown. */
+	snprintf(info, sizeof info, "%s:Wrong-%s", user, CANARY);
+	base_with_auth(uri, sizeof uri, info, "");
+	open_fails(uri, KL_EPROVIDER, "auth", 1000);
+
+	/* Right password in the URI. */
+	snprintf(info, sizeof info, "%s:%s", user, CANARY);
+	base_with_auth(uri, sizeof uri, info, "restart_guard=0");
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_open(&p, uri, &err), KL_OK);
+	take_ok(p, "auth", 0, &h);
+	hold_free(&h);
+	kl_provider_free(p);
+
+	/* From the environment. */
+	base_with_auth(uri, sizeof uri, user, "restart_guard=0");
+	ck_assert_int_eq(setenv("KEYLOCK_REDIS_PASSWORD", CANARY, 1), 0);
+	ck_assert_int_eq(kl_provider_open(&p, uri, &err), KL_OK);
+	kl_provider_free(p);
+	ck_assert_int_eq(setenv("KEYLOCK_REDIS_PASSWORD", "Canary-wrong", 1),
+			 0);
+	open_fails(uri, KL_EPROVIDER, "auth", 1000);
+	unsetenv("KEYLOCK_REDIS_PASSWORD");
+
+	/* No password at all for a user that needs one. */
+	open_fails(uri, KL_EPROVIDER, "auth", 1000);
+
+	/* From a file of mode 0600; refused at 0644. */
+	fd = mkstemp(file);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, CANARY "\n", strlen(CANARY) + 1),
+			 (ssize_t)strlen(CANARY) + 1);
+	close(fd);
+	ck_assert_int_eq(chmod(file, 0600), 0);
+	snprintf(info, sizeof info, "restart_guard=0&password_file=%s", file);
+	base_with_auth(uri, sizeof uri, user, info);
+	ck_assert_int_eq(kl_provider_open(&p, uri, &err), KL_OK);
+	kl_provider_free(p);
+	ck_assert_int_eq(chmod(file, 0644), 0);
+	open_fails(uri, KL_EPROVIDER, "0644", 1000);
+	unlink(file);
+
+	acl_user(user, false, false);
+}
+END_TEST
+
+/* The ACL the manual page documents is enough: acquire, wait (BLPOP),
+ * status, renew and release. */
+START_TEST(test_restricted_acl_user)
+{
+	char user[64], info[160], uri[1024];
+	struct waiter w;
+	kl_provider *p;
+	kl_error err;
+	struct hold h;
+
+	memset(&w, 0, sizeof w);
+	snprintf(user, sizeof user, "kltestr%d", (int)getpid());
+	acl_user(user, true, true);
+	snprintf(info, sizeof info, "%s:%s", user, CANARY);
+	base_with_auth(uri, sizeof uri, info, "restart_guard=0&ttl=300ms");
+	memset(&err, 0, sizeof err);
+	ck_assert_msg(kl_provider_open(&p, uri, &err) == KL_OK, "%s",
+		      err.message);
+	take_ok(p, "acl", 0, &h);
+	waiter_start(&w, p, "acl", 10000, NULL);
+	wait_status(p, "acl", 1, 1);
+	test_sleep_ms(250); /* a renewal or two */
+	ck_assert(kl_lease_valid(h.lease));
+	drop(&h);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK, "%s: %s", kl_strerror(w.rc), w.message);
+	hold_free(&w.h);
+	hold_free(&h);
+	kl_provider_free(p);
+	acl_user(user, false, false);
+}
+END_TEST
+
+START_TEST(test_unreachable)
+{
+	struct sockaddr_in a = { .sin_family = AF_INET };
+	socklen_t len = sizeof a;
+	char uri[256];
+	int s = socket(AF_INET, SOCK_STREAM, 0);
+
+	/* A port nobody listens on: bound, then closed. */
+	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	ck_assert_int_eq(bind(s, (struct sockaddr *)&a, sizeof a), 0);
+	ck_assert_int_eq(getsockname(s, (struct sockaddr *)&a, &len), 0);
+	close(s);
+	snprintf(uri, sizeof uri, "redis://:Canary-x@127.0.0.1:%d/0",
+		 ntohs(a.sin_port));
+	open_fails(uri, KL_EPROVIDER, "connect", 1000);
+}
+END_TEST
+
+START_TEST(test_bad_uris)
+{
+	static const char *const bad[] = {
+		"redis://u:Canary-1@127.0.0.1:99999/0",
+		"redis://u:Canary-2@127.0.0.1:6379/x",
+		"redis://u:Canary-3@127.0.0.1:6379/0?pool=0",
+		"redis://u:Canary-4@127.0.0.1:6379/0?ttl=5",
+		"redis://u:Canary-5@127.0.0.1:6379/0?nosuch=1",
+		"redis://u:Canary-6%zz@127.0.0.1:6379/0",
+		"redis://u:Canary-7@[::1/0",
+		"redis://u:Canary-8@127.0.0.1:6379/0?heartbeat=forever",
+	};
+
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+		open_fails(bad[i], KL_EINVAL, "redis provider", 100);
+	open_fails("rediss://127.0.0.1:6379/0", KL_EPROVIDER, "TLS", 100);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* A stalled server (SIGSTOP) and a restarted one                      */
+
+
+/* With the server stopped, a waiter still returns close to its timeout,
+ * and a holder sees its lease invalid no later than its ttl; all works
+ * again once the server resumes. */
+START_TEST(test_stalled_server)
+{
+	kl_provider *p = open_default(), *q = open_default();
+	struct waiter w;
+	struct hold h, t;
+	int64_t t0, lost_ms;
+
+	memset(&w, 0, sizeof w);
+	take_ok(p, "stall", 1000, &h);
+	waiter_start(&w, q, "stall", 800, NULL);
+	wait_status(p, "stall", 1, 1);
+	g_stopped = (pid_t)info_number("process_id");
+	t0 = now_ns();
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_ETIMEDOUT || w.rc == KL_EPROVIDER,
+		      "waiter: %s: %s", kl_strerror(w.rc), w.message);
+	/* Its timeout, one BLPOP slice and 100 ms of grace, plus slack. */
+	ck_assert_int_le((w.end_ns - w.start_ns) / 1000000, 800 + 150 + 350);
+	test_poll(lease_invalid, h.lease, "the stalled lease to be invalid");
+	lost_ms = (now_ns() - t0) / 1000000;
+	ck_assert_int_le(lost_ms, 1000 + 300);
+
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+		test_sleep_ms(2);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	hold_free(&w.h);
+	drop(&h);
+	hold_free(&h);
+	/* The server works again: the key was lost with the stall. */
+	take_ok(q, "stall", 0, &t);
+	hold_free(&t);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Server restart                                                      */
+
+/* Starts redis-server on the test port as the stage did, detached from
+ * this process's descriptors. */
+static pid_t
+server_start(const char *server, const char *port, const char *dir)
+{
+	char pidfile[PATH_MAX], logfile[PATH_MAX];
+	pid_t pid;
+
+	snprintf(pidfile, sizeof pidfile, "%s/redis.pid", dir);
+	snprintf(logfile, sizeof logfile, "%s/redis-restarted.log", dir);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		/* Only async-signal-safe calls until exec. */
+		int fd = open(logfile, O_WRONLY | O_CREAT | O_APPEND, 0600);
+		int nul = open("/dev/null", O_RDONLY);
+
+		if (fd < 0 || nul < 0)
+			_exit(127);
+		dup2(nul, 0);
+		dup2(fd, 1);
+		dup2(fd, 2);
+		for (int i = 3; i < 1024; i++)
+			close(i);
+		setsid();
+		execl(server, server, "--port", port, "--bind", "127.0.0.1",
+		      "--save", "", "--appendonly", "no", "--daemonize", "no",
+		      "--dir", dir, "--pidfile", pidfile, (char *)NULL);
+		_exit(127);
+	}
+	return pid;
+}
+
+static bool
+server_answers(void *arg)
+{
+	redisContext *c = raw_try(200);
+	redisReply *r;
+	bool ok = false;
+
+	(void)arg;
+	if (c == NULL)
+		return false;
+	r = redisCommand(c, "PING");
+	ok = r != NULL && r->type == REDIS_REPLY_STATUS;
+	if (r != NULL)
+		freeReplyObject(r);
+	redisFree(c);
+	return ok;
+}
+
+static bool
+server_gone(void *arg)
+{
+	redisContext *c = raw_try(200);
+
+	(void)arg;
+	if (c == NULL)
+		return true;
+	redisFree(c);
+	return false;
+}
+
+START_TEST(test_restart)
+{
+	const char *server = getenv("KEYLOCK_TEST_REDIS_SERVER");
+	const char *port = getenv("KEYLOCK_TEST_REDIS_PORT");
+	const char *dir = getenv("KEYLOCK_TEST_REDIS_DIR");
+	const char *opts = "ttl=1500ms&heartbeat=500ms";
+	kl_provider *p, *q, *fresh;
+	struct waiter w;
+	struct hold h, t;
+	kl_error err;
+	int64_t t_up, lost_ms;
+	uint64_t f1;
+	pid_t pid, child;
+	int rc;
+
+	if (server == NULL || port == NULL || atoi(port) != g_port) {
+		fprintf(stderr, "test_restart: KEYLOCK_TEST_REDIS_SERVER or "
+				"KEYLOCK_TEST_REDIS_PORT unset: nothing "
+				"done\n");
+		return;
+	}
+	if (dir == NULL)
+		dir = "/tmp";
+	memset(&w, 0, sizeof w);
+	/* The automatic guard wants 1.5 s of uptime before any grant (the
+	 * provider counts from the whole seconds INFO gives). */
+	while (info_number("uptime_in_seconds") < 3)
+		test_sleep_ms(100);
+	p = open_opts(opts);
+	q = open_opts(opts);
+	take_ok(p, "boot", 0, &h);
+	f1 = kl_lease_fence(h.lease);
+	waiter_start(&w, q, "boot", 2000, NULL);
+	wait_status(p, "boot", 1, 1);
+
+	pid = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(pid, SIGKILL), 0);
+	test_poll(server_gone, NULL, "the server to die");
+	test_sleep_ms(200);
+	child = server_start(server, port, dir);
+	test_poll(server_answers, NULL, "the restarted server");
+	t_up = now_ns();
+
+	/* The waiter ends by its timeout + slack, with a lease or
+	 * KL_EPROVIDER, never hanging. */
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_OK || w.rc == KL_EPROVIDER, "waiter: %s: %s",
+		      kl_strerror(w.rc), w.message);
+	ck_assert_int_le((w.end_ns - w.start_ns) / 1000000, 2000 + SLACK_MS);
+
+	/* The old lease is lost within a renewal interval (500 ms). */
+	test_poll(lease_invalid, h.lease, "the old lease to be lost");
+	lost_ms = (now_ns() - t_up) / 1000000;
+	ck_assert_int_le(lost_ms, 500 + SLACK_MS);
+	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+		test_sleep_ms(2);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	/* No double grant: the waiter got the key only after the old lease
+	 * was known lost. */
+	if (w.rc == KL_OK)
+		ck_assert_int_ge(w.end_ns, h.ev.lost_ns);
+	hold_free(&w.h);
+
+	/* New grants wait for the guard (uptime >= the longest ttl). */
+	fresh = open_opts(opts);
+	rc = take(fresh, "boot", 0, 0, NULL, &t, &err);
+	if (info_number("uptime_in_seconds") < 1) {
+		ck_assert_msg(rc == KL_EPROVIDER, "granted %s after a restart",
+			      kl_strerror(rc));
+		ck_assert_ptr_nonnull(strstr(err.message, "restart_guard"));
+	} else if (rc == KL_OK) {
+		drop(&t);
+	}
+	hold_free(&t);
+	while (info_number("uptime_in_seconds") < 3)
+		test_sleep_ms(100);
+	take_ok(fresh, "boot", 0, &t);
+	/* The fence still grows across the restart. */
+	ck_assert_uint_gt(kl_lease_fence(t.lease), f1);
+	hold_free(&t);
+	drop(&h);
+	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
+	hold_free(&h);
+	kl_provider_free(fresh);
+	kl_provider_free(p);
+	kl_provider_free(q);
+	/* The server stays up for later tests; the stage stops it through
+	 * its pidfile. */
+	(void)child;
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+
+static TCase *
+tcase_new(Suite *s, const char *name, int timeout)
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, timeout);
+	tcase_add_checked_fixture(tc, setup, teardown);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
+static Suite *
+provider_redis_suite(void)
+{
+	Suite *s = suite_create("provider_redis");
+	TCase *tc;
+
+	tc = tcase_new(s, "basic", 60);
+	tcase_add_test(tc, test_sha256_vectors);
+	tcase_add_test(tc, test_exports);
+	tcase_add_test(tc, test_acquire_release);
+	tcase_add_test(tc, test_binary_keys);
+	tcase_add_test(tc, test_errorcheck_refused);
+
+	tc = tcase_new(s, "fifo", 120);
+	tcase_add_test(tc, test_fifo_threads);
+	tcase_add_test(tc, test_mutual_exclusion_processes);
+
+	tc = tcase_new(s, "waits", 60);
+	tcase_add_test(tc, test_timeout);
+	tcase_add_test(tc, test_try_once);
+	tcase_add_test(tc, test_cancel);
+
+	tc = tcase_new(s, "dead", 60);
+	tcase_add_test(tc, test_holder_killed);
+	tcase_add_test(tc, test_dead_waiter_at_head);
+
+	tc = tcase_new(s, "ownership", 60);
+	tcase_add_test(tc, test_foreign_release);
+	tcase_add_test(tc, test_external_del_is_lost);
+	tcase_add_test(tc, test_renewal_keeps_lease);
+	tcase_add_test(tc, test_fence_increasing);
+
+	tc = tcase_new(s, "secrets", 60);
+	tcase_add_test(tc, test_auth);
+	tcase_add_test(tc, test_restricted_acl_user);
+	tcase_add_test(tc, test_unreachable);
+	tcase_add_test(tc, test_bad_uris);
+
+	/* Last: they stop and restart the server. */
+	tc = tcase_new(s, "server", 60);
+	tcase_add_unchecked_fixture(tc, NULL, resume_server);
+	tcase_add_test(tc, test_stalled_server);
+	tcase_add_test(tc, test_restart);
+
+	return s;
+}
+
+int
+main(void)
+{
+	const char *top = getenv("top_builddir");
+	redisContext *c;
+	long long pid;
+	SRunner *sr;
+	int failed;
+
+	g_uri = getenv("KEYLOCK_TEST_REDIS_URI");
+	if (g_uri == NULL || g_uri[0] == '\0') {
+		printf("SKIP: KEYLOCK_TEST_REDIS_URI is not set (tools/test "
+		       "--only redis starts a server)\n");
+		return 77;
+	}
+	if (!parse_base()) {
+		printf("SKIP: KEYLOCK_TEST_REDIS_URI must be "
+		       "redis://HOST:PORT/DB (no password)\n");
+		return 77;
+	}
+	if ((c = raw_try(1000)) == NULL) {
+		printf("SKIP: no Redis server answers at %s:%d\n", g_host,
+		       g_port);
+		return 77;
+	}
+	redisFree(c);
+	if (info_try("process_id", &pid))
+		g_server_pid = (pid_t)pid;
+	/* Run by hand from the build tree: load the provider built here. */
+	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
+		char dir[PATH_MAX];
+
+		snprintf(dir, sizeof dir, "%s/src/.libs", top);
+		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
+	}
+	sr = srunner_create(provider_redis_suite());
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
