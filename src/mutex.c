@@ -376,10 +376,13 @@ kl_mutex_queue_size(kl_mutex *m)
 int
 kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts)
 {
-	if (m == NULL || opts == NULL || !opts_valid(opts) ||
-	    (opts->flags & KL_EVENTUAL) != (m->opts.flags & KL_EVENTUAL))
+	if (m == NULL || opts == NULL || !opts_valid(opts))
 		return KL_EINVAL;
 	pthread_mutex_lock(&m->lock);
+	if ((opts->flags & KL_EVENTUAL) != (m->opts.flags & KL_EVENTUAL)) {
+		pthread_mutex_unlock(&m->lock);
+		return KL_EINVAL;
+	}
 	m->opts.max_queue = opts->max_queue;
 	m->opts.overflow = opts->overflow;
 	__atomic_store_n(&m->opts.flags, opts->flags, __ATOMIC_RELAXED);

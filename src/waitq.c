@@ -363,15 +363,19 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		if (now < w->expire_ns)
 			continue;
 		KL_YIELD("timeout");
-		pthread_mutex_lock(q->lock);
+		/* Through w->lock, never q: once a granter has failed this
+		 * waiter on its own, the queue's owner (a key table entry)
+		 * may already be freed.  q is only valid while w is queued,
+		 * which the state says under the lock. */
+		pthread_mutex_lock(w->lock);
 		if (w->state == KL_W_WAITING) {
-			unlink_waiter(q, w);
+			unlink_waiter(w->q, w);
 			w->state = KL_W_DONE;
 			w->status = expiry_status(w, now);
 			atomic_store_explicit(&w->word, W_SETTLED,
 					      memory_order_relaxed);
 		}
-		pthread_mutex_unlock(q->lock);
+		pthread_mutex_unlock(w->lock);
 	}
 	pthread_setcancelstate(oldstate, NULL);
 	return w->state == KL_W_GRANTED ? KL_OK : w->status;
