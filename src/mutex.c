@@ -41,6 +41,7 @@ struct kl_mutex {
 	_Atomic uint64_t state;
 	pthread_mutex_t lock;
 	uint64_t owner_tid; /* KL_ERRORCHECK: the holding thread, under lock */
+	uint64_t aborts;    /* leaves with abort_pending, under lock */
 	struct kl__waitq q;
 	kl_queue_opts opts;
 };
@@ -180,27 +181,68 @@ take_or_mark(kl_mutex *m, uint64_t id)
 	}
 }
 
+/* Gives up ownership, which the caller had, to the head waiter: a direct
+ * hand-off, or (eventual, head not starving) a wake-up to compete.  Lock
+ * held.  Returns what to kl__unpark after dropping it. */
+static void *
+pass_on(kl_mutex *m)
+{
+	struct kl__waiter *w = kl__waitq_grant_head(&m->q);
+	uint64_t queued = m->q.len != 0 ? QUEUED : 0;
+
+	if (w == NULL) {
+		atomic_store_explicit(&m->state, 0, memory_order_release);
+		m->owner_tid = 0;
+		return NULL;
+	}
+	if (eventual(m) && kl__now_ns() - w->since_ns < STARVE_NS) {
+		w->state = KL_W_DONE;
+		w->status = KL__RETRY;
+		atomic_store_explicit(&m->state, queued | WOKEN,
+				      memory_order_release);
+		m->owner_tid = 0;
+	} else {
+		atomic_store_explicit(&m->state,
+				      (w->data << OWNER_SHIFT) | queued,
+				      memory_order_release);
+		m->owner_tid = w->tid;
+	}
+	return kl__waiter_settle(w);
+}
+
 /* A waiter of an eventual mutex woken to compete: take the mutex if it is
  * still free, else go back to the head of the queue.  Returns like
  * kl__waitq_wait, lock released. */
 static int
 compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
-	int64_t deadline)
+	int64_t deadline, uint64_t aborts)
 {
+	uint64_t s;
+	void *wake = NULL;
+
 	pthread_mutex_lock(&m->lock);
+	/* Cancelled or aborted on the way: once kl_cancel_fire or the
+	 * aborting leave has returned, nothing may be granted to it.  It was
+	 * the woken one, so it passes the wake-up on before it goes. */
+	if (kl_cancel_fired(c) || m->aborts != aborts) {
+		s = atomic_load_explicit(&m->state, memory_order_relaxed);
+		while (!atomic_compare_exchange_weak_explicit(
+			&m->state, &s, s & ~(uint64_t)WOKEN,
+			memory_order_relaxed, memory_order_relaxed))
+			;
+		if ((s >> OWNER_SHIFT) == 0 && m->q.len != 0)
+			wake = pass_on(m);
+		pthread_mutex_unlock(&m->lock);
+		kl__unpark(wake);
+		return KL_ECANCELED;
+	}
 	if (take_or_mark(m, id) == KL_OK) {
 		pthread_mutex_unlock(&m->lock);
 		return KL_OK;
 	}
-	/* Back to INIT under the lock: a cancel from now on settles it.  A
-	 * fire that came while it was between queues set the flag first. */
+	/* Back to INIT under the lock: a cancel from now on settles it. */
 	w->state = KL_W_INIT;
 	atomic_store_explicit(&w->word, 0, memory_order_relaxed);
-	if (kl_cancel_fired(c)) {
-		w->state = KL_W_DONE;
-		pthread_mutex_unlock(&m->lock);
-		return KL_ECANCELED;
-	}
 	w->front = true;
 	return kl__waitq_wait(&m->q, w, deadline, m->opts.max_queue,
 			      m->opts.overflow);
@@ -254,11 +296,13 @@ kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 		pthread_mutex_unlock(&m->lock);
 		rc = KL_ETIMEDOUT;
 	} else {
+		uint64_t aborts = m->aborts;
+
 		w.data = id;
 		rc = kl__waitq_wait(&m->q, &w, deadline, m->opts.max_queue,
 				    m->opts.overflow);
 		while (rc == KL__RETRY)
-			rc = compete(m, &w, id, c, deadline);
+			rc = compete(m, &w, id, c, deadline, aborts);
 	}
 	if (prepared)
 		kl__waiter_finish(&w);
@@ -279,7 +323,6 @@ kl_mutex_try_enter(kl_mutex *m, kl_token *out)
 int
 kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 {
-	struct kl__waiter *w;
 	uint64_t expected;
 	void *wake = NULL;
 
@@ -304,29 +347,11 @@ kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 		pthread_mutex_unlock(&m->lock);
 		return KL_EINVAL;
 	}
-	if (abort_pending)
+	if (abort_pending) {
 		kl__waitq_fail_all(&m->q, KL_ECANCELED);
-	if ((w = kl__waitq_grant_head(&m->q)) != NULL && eventual(m) &&
-	    kl__now_ns() - w->since_ns < STARVE_NS) {
-		/* Release, and let the head compete with running threads. */
-		w->state = KL_W_DONE;
-		w->status = KL__RETRY;
-		atomic_store_explicit(&m->state,
-				      (m->q.len != 0 ? QUEUED : 0) | WOKEN,
-				      memory_order_release);
-		m->owner_tid = 0;
-		wake = kl__waiter_settle(w);
-	} else if (w != NULL) {
-		atomic_store_explicit(&m->state,
-				      (w->data << OWNER_SHIFT) |
-					      (m->q.len != 0 ? QUEUED : 0),
-				      memory_order_release);
-		m->owner_tid = w->tid;
-		wake = kl__waiter_settle(w);
-	} else {
-		atomic_store_explicit(&m->state, 0, memory_order_release);
-		m->owner_tid = 0;
+		m->aborts++;
 	}
+	wake = pass_on(m);
 	pthread_mutex_unlock(&m->lock);
 	kl__unpark(wake);
 	return KL_OK;

@@ -61,8 +61,8 @@ static const struct {
 int
 kl_duration_parse(const char *text, int64_t *ms)
 {
-	int64_t whole = 0, frac = 0, scale = 1, unit = 0;
-	const char *p = text;
+	int64_t whole = 0, add = 0, unit = 0;
+	const char *p = text, *frac = NULL, *frac_end = NULL;
 	size_t i;
 
 	if (ms == NULL)
@@ -82,18 +82,12 @@ kl_duration_parse(const char *text, int64_t *ms)
 		whole = whole * 10 + (*p - '0');
 	}
 	if (*p == '.') {
-		p++;
-		if (*p < '0' || *p > '9')
+		frac = ++p;
+		while (*p >= '0' && *p <= '9')
+			p++;
+		frac_end = p;
+		if (frac == frac_end)
 			return KL_EINVAL;
-		/* Digits past the 18th cannot change a millisecond result for
-		 * any unit here (a day is under 10^8 ms), so they are only
-		 * checked, not accumulated. */
-		for (; *p >= '0' && *p <= '9'; p++) {
-			if (scale < 1000000000000000000LL) {
-				frac = frac * 10 + (*p - '0');
-				scale *= 10;
-			}
-		}
 	}
 	for (i = 0; i < sizeof units / sizeof units[0]; i++) {
 		if (strcmp(p, units[i].suffix) == 0) {
@@ -106,14 +100,15 @@ kl_duration_parse(const char *text, int64_t *ms)
 	if (whole > INT64_MAX / unit)
 		return KL_EINVAL;
 	whole *= unit;
-	/* frac < scale <= 10^18 and unit < 10^8: the product needs 128 bits. */
-	if (frac != 0) {
-		int64_t add = (int64_t)((unsigned __int128)frac * (uint64_t)unit /
-					(uint64_t)scale);
-		if (whole > INT64_MAX - add)
-			return KL_EINVAL;
-		whole += add;
-	}
+	/* floor(0.d1..dn * unit), exactly: divide by ten digit by digit from
+	 * the right, carrying the quotient (floor((a + floor(b / 10)) / 10)
+	 * is floor((10a + b) / 100)).  unit < 10^8, so nothing overflows,
+	 * however many digits there are. */
+	for (const char *d = frac_end; frac != NULL && d > frac; d--)
+		add = ((d[-1] - '0') * unit + add) / 10;
+	if (whole > INT64_MAX - add)
+		return KL_EINVAL;
+	whole += add;
 	*ms = whole;
 	return KL_OK;
 }

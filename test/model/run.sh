@@ -55,14 +55,11 @@ CHECKS=(
 	# hand-off that forgets the wake (a waiter asleep for ever).
 	"mutant-cancel|fail|safety|waitq_mutant.pml|-DMUTEX -DMAXQ=255 -DADMIN=-1"
 	"mutant-nowake|fail|safety|waitq.pml|-DMUTEX -DMUTANT_NOWAKE -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
-	# DESIGN: "once kl_cancel_fire has returned, no later grant goes to a
-	# waiter using that token".  kl_mutex_enter and kl_reset_event_wait
-	# register on the token, then take a free object without looking at
-	# whether the token fired in between; FIX_CANCEL_TAKE models the fix.
-	"strict-cancel|note|safety|waitq.pml|-DMUTEX -DSTRICT_CANCEL -DMAXQ=255 -DADMIN=-1 -DDL=0 -DTOK=4"
-	"strict-cancel-event|note|safety|waitq.pml|-DEVENT -DSTRICT_CANCEL -DDL=0 -DTOK=4"
-	"strict-cancel-fixed|pass|safety|waitq.pml|-DMUTEX -DSTRICT_CANCEL -DFIX_CANCEL_TAKE -DMAXQ=255 -DADMIN=-1 -DDL=1 -DTOK=6"
-	"strict-cancel-event-fixed|pass|safety|waitq.pml|-DEVENT -DSTRICT_CANCEL -DFIX_CANCEL_TAKE -DDL=1 -DTOK=4"
+	# The code before d91638b: a call takes a free mutex or a signaled
+	# event after its token fired (DESIGN: "once kl_cancel_fire has
+	# returned, no later grant goes to a waiter using that token").
+	"mutant-cancel-take|fail|safety|waitq.pml|-DMUTEX -DMUTANT_CANCEL_TAKE -DMAXQ=255 -DADMIN=-1 -DDL=0 -DTOK=4"
+	"mutant-cancel-take-event|fail|safety|waitq.pml|-DEVENT -DMUTANT_CANCEL_TAKE -DDL=0 -DTOK=4"
 )
 
 list=0

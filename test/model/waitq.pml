@@ -13,6 +13,11 @@
  *   AUTO=n           EVENT: auto_reset_count (255: manual reset)
  *   MUTANT           a cancel overrides a grant that already happened
  *                    (waitq_mutant.pml): the checks must fail
+ *   MUTANT_NOWAKE    a hand-off that forgets to wake the new owner
+ *   MUTANT_CANCEL_TAKE  enter/wait takes a free object without looking
+ *                    whether its token fired since it registered (the code
+ *                    before commit d91638b)
+ *   LIVENESS         adds the claim "every call returns" (pan -a -f)
  *   SPURIOUS         futex waits may also end spuriously (off by default:
  *                    an ever-possible wake-up would hide a lost wake-up,
  *                    which without it shows as an invalid end state)
@@ -21,7 +26,13 @@
  * - the queue lock (m->lock / e->lock) as an explicit lock, the token locks
  *   likewise, so a lock-order deadlock shows as an invalid end state;
  * - every atomic of the C code (the mutex state word, the parking word) as
- *   one indivisible step, everything under the queue lock as plain steps;
+ *   one indivisible step; a section under the queue lock as one atomic
+ *   block from the lock to the unlock.  That is Lipton's reduction (taking
+ *   a lock moves right, releasing it moves left, what the lock guards moves
+ *   both ways); a section touches several unguarded words only where each
+ *   belongs to a waiter that cannot act before the section ends (it is
+ *   asleep or not yet settled), so no interleaving is lost.  The wake after
+ *   a hand-off, outside the lock in the C code, stays a step of its own;
  * - the futex: FUTEX_WAIT sleeps only while the word is PARKED (checked
  *   atomically), FUTEX_WAKE ends that sleep; a timed wait may also end when
  *   the deadline has passed, and any wait may end spuriously;
@@ -30,6 +41,12 @@
  * - a canceller that may fire any client's token at any moment, and an
  *   admin that may lower max_queue (kl_mutex_set_opts) at any moment.
  *
+ * Not modelled: KL_EVENTUAL (barging, KL__RETRY, compete), KL_ERRORCHECK,
+ * timeout 0 (try_enter), tokens made by kl_cancel_new_timeout, the key
+ * table (which uses this queue under its shard locks), the spin before
+ * parking (it only delays the CAS to PARKED), memory order (the C11 orders
+ * are TSan's to judge).
+ *
  * Assertions:
  * - at most one owner, and a client's result agrees with ownership
  *   (KL_OK exactly when the mutex is its own: no lost or double grant);
@@ -37,6 +54,8 @@
  *   whenever the queue lock is free, a non-empty queue has a holder and the
  *   QUEUED bit set;
  * - FIFO: grants go in enqueue order among the waiters still queued;
+ * - cancel: once kl_cancel_fire has returned, nothing is granted to a
+ *   call using the token;
  * - reset budget: a set releases exactly AUTO waiters when at least AUTO
  *   live ones are queued, else all of them and stays signaled with the rest
  *   of the budget; signaled implies an empty queue;
@@ -121,7 +140,7 @@ byte lastgrant;
 byte ndone;
 
 #ifdef MUTEX
-byte mstate; /* owner id << 1 | QUEUED */
+byte mstate; /* owner id << 1 | QUEUED (the C code shifts by 2: bit 1 is KL_EVENTUAL's WOKEN) */
 byte incs;   /* clients inside the critical section */
 #endif
 
@@ -371,16 +390,13 @@ inline finish(me)
 }
 
 /* DESIGN: "once kl_cancel_fire has returned, no later grant goes to a
- * waiter using that token".  Checked (with -DSTRICT_CANCEL) where a
- * registered call takes the object without queueing: fire has returned
- * when the token is fired and its lock is free again. */
+ * waiter using that token".  Checked where a registered call takes the
+ * object without queueing (a grant from the queue cannot break it: fire
+ * settles a queued waiter under the queue lock): fire has returned when the
+ * token is fired and its lock is free again. */
 inline strict_cancel(me)
 {
-#ifdef STRICT_CANCEL
 	assert(!(hastok[me] && fired[me] && tlock[me] == 0))
-#else
-	skip
-#endif
 }
 
 /* ---------------------------------------------------------------- */
@@ -558,7 +574,7 @@ proctype client(byte me)
 		lock(qlock, me);
 		/* take_or_mark: take a free mutex, else set QUEUED */
 		if
-#ifdef FIX_CANCEL_TAKE
+#ifndef MUTANT_CANCEL_TAKE
 		:: wstate[me] == W_DONE -> /* canceled since it registered */
 			unlock(qlock);
 			rc = wstatus[me]
@@ -818,7 +834,7 @@ proctype ewaiter(byte me)
 		atomic {
 			lock(qlock, me);
 			if
-#ifdef FIX_CANCEL_TAKE
+#ifndef MUTANT_CANCEL_TAKE
 			:: wstate[me] == W_DONE -> eunlock(); rc = wstatus[me]
 			:: wstate[me] != W_DONE && signaled ->
 #else

@@ -4,8 +4,10 @@
  * single-CPU reruns of both).
  *
  * T01 (a): 8 threads enter and leave one kl_mutex (strict, and again with
- * KL_EVENTUAL), odd iterations with try_enter; inside, 10 non-atomic increments of a shared counter, a check
- * that it is 10, 10 decrements and a check that it is 0 (CK validate.h).
+ * KL_EVENTUAL), odd iterations with try_enter; inside, 10 non-atomic
+ * increments of a shared counter, a check that it is 10, 10 decrements and
+ * a check that it is 0 (CK validate.h); now and then the holder yields its
+ * CPU, so that the others queue and leave hands over.
  * (b): 16 threads run kl_lock_run over 64 keys of a private memory
  * provider with the same check per key.  Final counters must be exact and
  * the provider empty.

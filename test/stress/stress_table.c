@@ -318,11 +318,12 @@ END_TEST
 /*
  * The holder releases the key from 200 us before to 80 us after the only
  * waiter's deadline, sleeping on a timer as the waiter does (a timer wakes
- * 50-100 us late).  Either the release grants the key to the waiter, or it finds
- * the waiter expired, fails it on its behalf and frees the entry, while the
- * waiter itself may be waking up at its deadline: after that, the waiter
- * must not touch the freed entry (a use-after-free that ThreadSanitizer and
- * AddressSanitizer report).  Each round must end with the provider empty.
+ * 50-100 us late).  Either the release grants the key to the waiter, or it
+ * finds the waiter expired, fails it on its behalf and frees the entry,
+ * while the waiter itself may be waking up at its deadline: after that,
+ * the waiter must not touch the freed entry (a use-after-free that
+ * ThreadSanitizer and AddressSanitizer report).  Each round must end with
+ * the provider empty.
  */
 struct t08c {
 	kl_provider *p;
@@ -354,7 +355,7 @@ START_TEST(test_t08_deadline_races_last_release)
 	struct st_crew crew;
 	struct st_rng r;
 	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
-	long rounds = st_scaled(20000, 0.25, 500), granted = 0, timedout = 0;
+	long rounds = st_scaled(20000, 0.5, 500), granted = 0, timedout = 0;
 	long base = 0, unseen = 0;
 	uint64_t last_fence = 0;
 

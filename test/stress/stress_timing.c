@@ -544,7 +544,7 @@ t04_run(long reps)
 START_TEST(test_t04_timeout_vs_grant)
 {
 	st_begin("T04 timeout vs grant sweep");
-	t04_run(st_scaled(T04_REPS, 0.5, 2));
+	t04_run(st_scaled(T04_REPS, 1, 2));
 }
 END_TEST
 
@@ -634,7 +634,7 @@ t05a_run(long rounds_n)
 START_TEST(test_t05_cancel_vs_grant)
 {
 	st_begin("T05a cancel vs grant");
-	t05a_run(st_scaled(100000, 0.3, 200));
+	t05a_run(st_scaled(100000, 1, 200));
 }
 END_TEST
 
@@ -1036,7 +1036,7 @@ START_TEST(test_t07_signals)
 	memset(&x, 0, sizeof x);
 	memset(&kick, 0, sizeof kick);
 	atomic_store(&t07_signals, 0);
-	x.rounds = st_scaled(T07_ROUNDS, 0.5, 500) / T07_WAITERS;
+	x.rounds = st_scaled(T07_ROUNDS, 1, 500) / T07_WAITERS;
 	x.late = calloc((size_t)(T07_WAITERS * x.rounds), sizeof *x.late);
 	late = calloc((size_t)(T07_WAITERS * x.rounds), sizeof *late);
 	st_assert(x.late != NULL && late != NULL, "out of memory");
