@@ -33,25 +33,30 @@ kl__test_fail_alloc_at(long k)
 /* Debug yields: off unless KL_DEBUG_YIELD is set; the per-thread random
  * state is seeded from KL_TEST_SEED and the thread's id, so a failing run
  * replays with the same seed (as far as the scheduler allows). */
-static atomic_int yield_on = -1;
+static bool yield_on;
 static uint64_t yield_seed;
+static pthread_once_t yield_once = PTHREAD_ONCE_INIT;
 static _Thread_local uint64_t yield_state;
+
+static void
+yield_init(void)
+{
+	const char *e = getenv("KL_DEBUG_YIELD");
+	const char *seed = getenv("KL_TEST_SEED");
+
+	yield_seed = seed != NULL ? strtoull(seed, NULL, 0) : 1;
+	yield_on = e != NULL && e[0] != '\0' && e[0] != '0';
+}
 
 void
 kl__test_yield(const char *where)
 {
-	int on = atomic_load_explicit(&yield_on, memory_order_relaxed);
 	struct timespec ts;
+	bool on;
 
 	(void)where;
-	if (on < 0) {
-		const char *e = getenv("KL_DEBUG_YIELD");
-		const char *seed = getenv("KL_TEST_SEED");
-
-		yield_seed = seed != NULL ? strtoull(seed, NULL, 0) : 1;
-		on = e != NULL && e[0] != '\0' && e[0] != '0';
-		atomic_store_explicit(&yield_on, on, memory_order_relaxed);
-	}
+	pthread_once(&yield_once, yield_init);
+	on = yield_on;
 	if (!on)
 		return;
 	if (yield_state == 0)

@@ -29,6 +29,7 @@
 #include "config.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef HAVE_LINUX_FUTEX_H
@@ -147,6 +148,8 @@ cpu_relax(void)
 #endif
 }
 
+/* CPUs this process may run on (its affinity, not the machine's): spinning
+ * on a process pinned to one CPU only delays the holder. */
 static long
 ncpu(void)
 {
@@ -154,7 +157,14 @@ ncpu(void)
 	long n = atomic_load_explicit(&cached, memory_order_relaxed);
 
 	if (n == 0) {
-		n = sysconf(_SC_NPROCESSORS_ONLN);
+#ifdef CPU_COUNT
+		cpu_set_t set;
+
+		if (sched_getaffinity(0, sizeof set, &set) == 0)
+			n = CPU_COUNT(&set);
+#endif
+		if (n < 1)
+			n = sysconf(_SC_NPROCESSORS_ONLN);
 		if (n < 1)
 			n = 1;
 		atomic_store_explicit(&cached, n, memory_order_relaxed);
