@@ -26,7 +26,9 @@ fi
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/keylock-cli.XXXXXX") || exit 99
 chmod 700 "$TMP"
 STATE=$TMP/state
-P=(-p "local:$STATE")
+# KEYLOCK_CLI_PROVIDER reruns a test against another provider (the redis
+# and pg stages of tools/test set it to their servers).
+P=(-p "${KEYLOCK_CLI_PROVIDER:-local:$STATE}")
 OUT=$TMP/out
 ERR=$TMP/err
 BG=()
