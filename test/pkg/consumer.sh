@@ -165,7 +165,7 @@ for m in $modules; do
 		need=$(needed "$tmp/$m-dynamic")
 		for l in libkeylock.so.0 $lib; do
 			echo "$need" | grep -q -x -F "$l" ||
-				problem "$m-dynamic does not need $l (NEEDED: $(echo $need))"
+				problem "$m-dynamic does not need $l (NEEDED: $(echo "$need" | tr '\n' ' '))"
 		done
 		run "$m-dynamic" || true
 		if [ "$m" = keylock ] && command -v ldd >/dev/null 2>&1; then
@@ -205,6 +205,6 @@ for m in $modules; do
 done
 
 if [ $fail -eq 0 ]; then
-	echo "$me: PASS: $built programs built with pkg-config ($(echo $modules)) and run"
+	echo "$me: PASS: $built programs built with pkg-config (${modules# }) and run"
 fi
 exit $fail

@@ -72,7 +72,7 @@ for h in $headers; do
 	i=0
 	for m in $(sed -n 's/^[ \t]*#[ \t]*define[ \t]*\(KL_[A-Z0-9_]*_INIT\)\b.*/\1/p' "$path"); do
 		i=$((i + 1))
-		t=$(echo "$m" | sed 's/^KL_\(.*\)_INIT$/kl_\1/' | tr 'A-Z' 'a-z')
+		t=$(echo "$m" | sed 's/^KL_\(.*\)_INIT$/kl_\1/' | tr '[:upper:]' '[:lower:]')
 		echo "$t kl_headers_init_$i = $m;" >>"$tmp/$base.c"
 	done
 
@@ -116,6 +116,6 @@ if [ -n "${KL_PACKAGE_VERSION:-}" ]; then
 fi
 
 if [ $fail -eq 0 ]; then
-	echo "$me: PASS: $(echo $headers | wc -w) headers, $n compilations"
+	echo "$me: PASS: $(echo "$headers" | wc -w) headers, $n compilations"
 fi
 exit $fail

@@ -26,6 +26,7 @@ set -eu
 me=manpages.sh
 here=$(cd "$(dirname "$0")" && pwd)
 : "${top_srcdir:=$here/../..}"
+export top_srcdir
 man=$top_srcdir/man
 mk=$man/local.mk
 
@@ -52,8 +53,7 @@ done
 # A page for every public function and every installed command.
 fns=0
 for lib in libkeylock libkeylock-redis libkeylock-pg; do
-	for f in $(top_srcdir=$top_srcdir sh "$top_srcdir/tools/check-exports" \
-		--header "$lib"); do
+	for f in $(sh "$top_srcdir/tools/check-exports" --header "$lib"); do
 		fns=$((fns + 1))
 		[ -f "$man/$f.3" ] ||
 			problem "$f ($lib) has no page man/$f.3 (add it, or a '.so man3/<object>.3' page, to man/ and man/local.mk)"
