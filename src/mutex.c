@@ -217,7 +217,6 @@ static int
 compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
 	int64_t deadline, uint64_t aborts)
 {
-	uint64_t s;
 	void *wake = NULL;
 
 	pthread_mutex_lock(&m->lock);
@@ -225,12 +224,12 @@ compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
 	 * aborting leave has returned, nothing may be granted to it.  It was
 	 * the woken one, so it passes the wake-up on before it goes. */
 	if (kl_cancel_fired(c) || m->aborts != aborts) {
-		s = atomic_load_explicit(&m->state, memory_order_relaxed);
-		while (!atomic_compare_exchange_weak_explicit(
-			&m->state, &s, s & ~(uint64_t)WOKEN,
-			memory_order_relaxed, memory_order_relaxed))
-			;
-		if ((s >> OWNER_SHIFT) == 0 && m->q.len != 0)
+		/* Taking it first makes the state ours to rewrite: a running
+		 * thread may take a free eventual mutex without the lock, so
+		 * storing over a free state could drop its ownership.  The
+		 * caller never sees this ownership: it is passed on at once.
+		 * Either way take_or_mark clears WOKEN. */
+		if (take_or_mark(m, id) == KL_OK)
 			wake = pass_on(m);
 		pthread_mutex_unlock(&m->lock);
 		kl__unpark(wake);
