@@ -29,7 +29,6 @@
 #include "config.h"
 
 #include <errno.h>
-#include <sched.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef HAVE_LINUX_FUTEX_H
@@ -148,8 +147,10 @@ cpu_relax(void)
 #endif
 }
 
-/* CPUs this process may run on (its affinity, not the machine's): spinning
- * on a process pinned to one CPU only delays the holder. */
+/* Online CPUs.  Not the calling thread's affinity: threads pinned one to a
+ * CPU each (a common server layout) still gain from spinning, and the first
+ * caller's mask would decide for every thread.  A process confined to one
+ * CPU loses at most SPIN_NS per wait. */
 static long
 ncpu(void)
 {
@@ -157,14 +158,7 @@ ncpu(void)
 	long n = atomic_load_explicit(&cached, memory_order_relaxed);
 
 	if (n == 0) {
-#ifdef CPU_COUNT
-		cpu_set_t set;
-
-		if (sched_getaffinity(0, sizeof set, &set) == 0)
-			n = CPU_COUNT(&set);
-#endif
-		if (n < 1)
-			n = sysconf(_SC_NPROCESSORS_ONLN);
+		n = sysconf(_SC_NPROCESSORS_ONLN);
 		if (n < 1)
 			n = 1;
 		atomic_store_explicit(&cached, n, memory_order_relaxed);
