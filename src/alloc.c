@@ -110,12 +110,6 @@ kl__calloc(size_t n, size_t size)
 }
 
 void *
-kl__realloc(void *p, size_t n)
-{
-	return should_fail() ? NULL : realloc(p, n);
-}
-
-void *
 kl__aligned_alloc(size_t align, size_t n)
 {
 	void *p;

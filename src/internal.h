@@ -17,32 +17,17 @@
 #include "keylock.h"
 
 #ifdef KL_DEBUG
-#include <stdio.h>
-#define KL_ASSERT(x)                                                       \
-	do {                                                               \
-		if (!(x)) {                                                \
-			fprintf(stderr, "keylock: %s:%d: assertion %s\n",  \
-				__FILE__, __LINE__, #x);                   \
-			abort();                                           \
-		}                                                          \
-	} while (0)
-#else
-#define KL_ASSERT(x) ((void)0)
+#include <stdio.h> /* misuse reports of debug builds */
 #endif
-
-/* A condition that cannot hold; true in release builds lets the caller bail
- * out instead of crashing. */
-#define KL_NEVER(x) __builtin_expect(!!(x), 0)
 
 #define KL_HIDDEN __attribute__((visibility("hidden")))
 
 /* ------------------------------------------------------------------ */
 /* Allocation: every allocation of the library goes through these, so the
- * test build can fail the k-th one (--enable-test-hooks). */
+ * test build (-DKL_TEST_HOOKS) can fail the k-th one. */
 
 KL_HIDDEN void *kl__malloc(size_t n);
 KL_HIDDEN void *kl__calloc(size_t n, size_t size);
-KL_HIDDEN void *kl__realloc(void *p, size_t n);
 KL_HIDDEN void *kl__aligned_alloc(size_t align, size_t n);
 KL_HIDDEN void kl__free(void *p);
 KL_HIDDEN char *kl__strndup(const char *s, size_t n);

@@ -171,7 +171,8 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 				kl__error_set(err, rc, "lock '%s': %s", shown,
 					      kl_strerror(rc));
 		}
-		emit(l, KL_EV_REJECTED, lease->key, rc, ms_since(start), 0);
+		emit(l, KL_EV_REJECTED, lease->key, rc,
+		     l->on_event != NULL ? ms_since(start) : 0, 0);
 		return rc;
 	}
 	lease->granted_ns = l->on_event != NULL ? kl__now_ns() : 0;
