@@ -50,6 +50,52 @@
 
 #define POLL_MS 20 /* fallback re-check while waiting */
 
+/*
+ * Crash points (test build only): KL_CRASH_POINT("name") kills the process
+ * with SIGKILL when the environment variable KL_CRASH_AT, read once, names
+ * that point.  test/check_provider_local kills helper processes at each
+ * step of queue mutation this way and checks that the next acquirer repairs
+ * the state.  The names, in the order a process meets them:
+ *   queue-opened      queue file open, queue lock not taken
+ *   queue-locked      queue lock held, nothing changed
+ *   ticket-unlinked   a leftover file of the new number removed
+ *   ticket-created    ticket file created, not flocked, not counted
+ *   ticket-flocked    ticket file flocked, not counted
+ *   ticket-counted    ticket counted (next written), queue lock held
+ *   waiting           about to drop the queue lock and sleep
+ *   dead-skipped      a dead ticket's file removed, serving not written
+ *   granting          serving is ours, the new fence not written
+ *   granted           fence written, queue lock held
+ *   release-locked    releasing: queue lock held, nothing changed
+ *   release-unlinked  releasing: ticket file removed, serving not moved
+ *   release-advanced  releasing: serving moved on, queue lock held
+ */
+#ifdef KL_TEST_HOOKS
+#include <pthread.h>
+#include <signal.h>
+#include <stdlib.h>
+
+static const char *crash_at;
+static pthread_once_t crash_once = PTHREAD_ONCE_INIT;
+
+static void
+crash_init(void)
+{
+	crash_at = getenv("KL_CRASH_AT");
+}
+
+static void
+crash_point(const char *name)
+{
+	pthread_once(&crash_once, crash_init);
+	if (crash_at != NULL && strcmp(crash_at, name) == 0)
+		kill(getpid(), SIGKILL);
+}
+#define KL_CRASH_POINT(name) crash_point(name)
+#else
+#define KL_CRASH_POINT(name) ((void)0)
+#endif
+
 struct local {
 	int dirfd;
 	char *path;
@@ -179,8 +225,10 @@ advance(struct local *lp, const char *qname, int qfd, struct qstate *st,
 {
 	uint64_t from = st->serving;
 
-	while (st->serving < mine && !ticket_alive(lp, qname, st->serving))
+	while (st->serving < mine && !ticket_alive(lp, qname, st->serving)) {
+		KL_CRASH_POINT("dead-skipped");
 		st->serving++;
+	}
 	if (st->serving != from && write_state(qfd, st) != 0)
 		return -1;
 	return 0;
@@ -202,14 +250,19 @@ leave(struct local *lp, struct local_lease *l)
 	struct qstate st;
 	int rc = 0;
 
+	/* The ticket file goes first: a process dying between the two
+	 * steps leaves a ticket without a file, which the next one skips,
+	 * rather than a file nobody would ever remove. */
+	ticket_name(tname, sizeof tname, l->name, l->ticket);
+	unlinkat(lp->dirfd, tname, 0);
+	KL_CRASH_POINT("release-unlinked");
 	if (read_state(l->qfd, &st) != 0)
 		rc = -1;
 	else if (st.serving == l->ticket) {
 		st.serving++;
 		rc = write_state(l->qfd, &st);
 	}
-	ticket_name(tname, sizeof tname, l->name, l->ticket);
-	unlinkat(lp->dirfd, tname, 0);
+	KL_CRASH_POINT("release-advanced");
 	qunlock(l->qfd);
 	close(l->tfd);
 	close(l->qfd);
@@ -271,28 +324,36 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		kl__free(l);
 		return rc;
 	}
+	KL_CRASH_POINT("queue-opened");
 	if (qlock(l->qfd) != 0 || read_state(l->qfd, &st) != 0) {
 		rc = fail(err, KL_EPROVIDER, "cannot read the queue file",
 			  errno);
 		goto fail_close;
 	}
+	KL_CRASH_POINT("queue-locked");
 	l->ticket = st.next++;
 	ticket_name(tname, sizeof tname, l->name, l->ticket);
 	/* A leftover file of this number (a crash between creating it and
 	 * counting it) has no owner: replace it. */
 	unlinkat(lp->dirfd, tname, 0);
+	KL_CRASH_POINT("ticket-unlinked");
 	l->tfd = open_checked(lp, tname, O_RDWR | O_CREAT | O_EXCL, err);
 	if (l->tfd < 0) {
 		rc = fail(err, KL_EPROVIDER, "cannot create a ticket file",
 			  -l->tfd);
 		goto fail_unlock;
 	}
-	if (flock(l->tfd, LOCK_EX | LOCK_NB) != 0 || write_state(l->qfd, &st)) {
+	KL_CRASH_POINT("ticket-created");
+	if (flock(l->tfd, LOCK_EX | LOCK_NB) != 0) {
 		rc = fail(err, KL_EPROVIDER, "cannot take a ticket", errno);
-		unlinkat(lp->dirfd, tname, 0);
-		close(l->tfd);
-		goto fail_unlock;
+		goto fail_ticket;
 	}
+	KL_CRASH_POINT("ticket-flocked");
+	if (write_state(l->qfd, &st) != 0) {
+		rc = fail(err, KL_EPROVIDER, "cannot take a ticket", errno);
+		goto fail_ticket;
+	}
+	KL_CRASH_POINT("ticket-counted");
 	for (;;) {
 		if (advance(lp, l->name, l->qfd, &st, l->ticket) != 0) {
 			rc = fail(err, KL_EPROVIDER,
@@ -300,6 +361,7 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			break;
 		}
 		if (st.serving == l->ticket) {
+			KL_CRASH_POINT("granting");
 			st.fence++;
 			if (write_state(l->qfd, &st) != 0) {
 				rc = fail(err, KL_EPROVIDER,
@@ -307,6 +369,7 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 					  errno);
 				break;
 			}
+			KL_CRASH_POINT("granted");
 			qunlock(l->qfd);
 			if (ifd >= 0)
 				close(ifd);
@@ -333,6 +396,7 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 				ifd = -1;
 			}
 		}
+		KL_CRASH_POINT("waiting");
 		qunlock(l->qfd);
 		nap(ifd, deadline == KL_NO_DEADLINE
 				 ? POLL_MS
@@ -352,6 +416,9 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	kl__free(l);
 	return rc;
 
+fail_ticket:
+	unlinkat(lp->dirfd, tname, 0);
+	close(l->tfd);
 fail_unlock:
 	qunlock(l->qfd);
 fail_close:
@@ -371,9 +438,11 @@ local_release(void *impl, void *lease, kl_error *err)
 			  errno);
 		close(l->tfd);
 		close(l->qfd);
-	} else if (leave(impl, l) != 0) {
-		rc = fail(err, KL_EPROVIDER, "cannot update the queue file",
-			  errno);
+	} else {
+		KL_CRASH_POINT("release-locked");
+		if (leave(impl, l) != 0)
+			rc = fail(err, KL_EPROVIDER,
+				  "cannot update the queue file", errno);
 	}
 	kl__free(l);
 	return rc;

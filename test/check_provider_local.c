@@ -42,6 +42,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -576,15 +577,31 @@ live_remove(pid_t pid)
 }
 
 /* Starts local_helper MODE g_dir KEY [FILE INDEX] with pipes to its stdin
- * and from its stdout. */
+ * and from its stdout; with crash not NULL, KL_CRASH_AT=crash in its
+ * environment (the provider's crash points, test build only). */
 static void
-helper_spawn(struct helper *h, const char *mode, const char *key,
-	     const char *file, int index)
+helper_spawn_crash(struct helper *h, const char *mode, const char *key,
+		   const char *file, int index, const char *crash)
 {
 	posix_spawn_file_actions_t fa;
-	char idx[16];
+	char idx[16], crash_var[64];
 	char *argv[7];
+	char **envp = environ;
 	int in[2], out[2], rc;
+
+	if (crash != NULL) {
+		size_t n = 0;
+
+		while (environ[n] != NULL)
+			n++;
+		envp = calloc(n + 2, sizeof *envp);
+		ck_assert_ptr_nonnull(envp);
+		snprintf(crash_var, sizeof crash_var, "KL_CRASH_AT=%s", crash);
+		envp[0] = crash_var;
+		for (size_t i = 0, j = 1; i < n; i++)
+			if (strncmp(environ[i], "KL_CRASH_AT=", 12) != 0)
+				envp[j++] = environ[i];
+	}
 
 	snprintf(idx, sizeof idx, "%d", index);
 	argv[0] = (char *)"local_helper";
@@ -600,8 +617,10 @@ helper_spawn(struct helper *h, const char *mode, const char *key,
 	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
 	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
 	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
-	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
+	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, envp);
 	posix_spawn_file_actions_destroy(&fa);
+	if (envp != environ)
+		free(envp);
 	close(in[0]);
 	close(out[1]);
 	if (rc != 0) {
@@ -612,6 +631,13 @@ helper_spawn(struct helper *h, const char *mode, const char *key,
 	live_add(h->pid);
 	h->to = in[1];
 	h->from = out[0];
+}
+
+static void
+helper_spawn(struct helper *h, const char *mode, const char *key,
+	     const char *file, int index)
+{
+	helper_spawn_crash(h, mode, key, file, index, NULL);
 }
 
 /* Reads one line from the helper into buf (without the newline); false
@@ -1310,6 +1336,258 @@ START_TEST(test_head_gives_up_passes_on)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Error paths: allocation failures, damaged or blocked state files,     */
+/* failing writes, a directory that moved                                */
+
+/* Every allocation of kl_provider_open failing in turn gives KL_ENOMEM
+ * and no provider, then it succeeds; likewise for a relative directory
+ * (made absolute with realpath) and for an acquire, which then leaves no
+ * trace in the queue. */
+START_TEST(test_alloc_failures)
+{
+	const char *key = "lo:oom";
+	char uri[PATH_MAX + 16];
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_provider *p = NULL;
+	kl_lock *l = NULL;
+	kl_lease *lease = NULL;
+	kl_error err;
+	int cwd, rc, k, fails = 0;
+
+	for (int pass = 0; pass < 2; pass++) {
+		cwd = open(".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+		ck_assert_int_ge(cwd, 0);
+		if (pass == 1)
+			ck_assert_int_eq(chdir(g_parent), 0);
+		snprintf(uri, sizeof uri, "local:%s",
+			 pass == 0 ? g_dir : "state");
+		for (k = 1;; k++) {
+			ck_assert_int_lt(k, 100);
+			p = (kl_provider *)&p;
+			kl__test_fail_alloc_at(k);
+			rc = kl_provider_open(&p, uri, &err);
+			kl__test_fail_alloc_at(0);
+			if (rc == KL_OK)
+				break;
+			ck_assert_msg(rc == KL_ENOMEM, "open %s, allocation "
+				      "%d failing: %s", uri, k,
+				      kl_strerror(rc));
+			ck_assert_ptr_null(p);
+			fails++;
+		}
+		ck_assert_int_eq(fchdir(cwd), 0);
+		close(cwd);
+		if (pass == 0)
+			kl_provider_free(p);
+	}
+	ck_assert_int_ge(fails, 3);
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	for (k = 1;; k++) {
+		ck_assert_int_lt(k, 100);
+		kl__test_fail_alloc_at(k);
+		rc = kl_lock_acquire(l, NULL, &lease, &err);
+		kl__test_fail_alloc_at(0);
+		if (rc == KL_OK)
+			break;
+		ck_assert_msg(rc == KL_ENOMEM, "acquire, allocation %d "
+			      "failing: %s", k, kl_strerror(rc));
+		assert_status(p, key, 0, 0);
+	}
+	assert_status(p, key, 1, 0);
+	kl_lease_release(lease);
+	assert_status(p, key, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Writes a queue file for key with the given counters (the provider's
+ * layout: next, serving, fence). */
+static void
+plant_state(const char *key, uint64_t next, uint64_t serving)
+{
+	uint64_t st[3] = { next, serving, 0 };
+	char q[24], path[PATH_MAX];
+	int fd;
+
+	queue_name(q, sizeof q, key, strlen(key));
+	in_state(path, sizeof path, q);
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, st, sizeof st), (ssize_t)sizeof st);
+	close(fd);
+}
+
+/* The path of key's ticket n (or of its queue file, n < 0). */
+static void
+state_path(char *buf, size_t size, const char *key, long n)
+{
+	char q[24], name[48];
+
+	queue_name(q, sizeof q, key, strlen(key));
+	if (n < 0)
+		snprintf(name, sizeof name, "%s", q);
+	else
+		snprintf(name, sizeof name, "%s.%ld", q, n);
+	in_state(buf, size, name);
+}
+
+/* A FIFO in place of the ticket being served is no live owner: skipped
+ * and removed, and the next ticket is granted at once. */
+START_TEST(test_dead_ticket_not_a_file)
+{
+	const char *key = "lo:dead:fifo";
+	kl_provider *p = open_dir(g_dir);
+	char path[PATH_MAX];
+	struct stat st;
+	struct hold h;
+
+	plant_state(key, 1, 0);
+	state_path(path, sizeof path, key, 0);
+	ck_assert_int_eq(mkfifo(path, 0600), 0);
+	take_ok(p, key, 0, &h);
+	ck_assert_int_ne(lstat(path, &st), 0);
+	drop(&h);
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A directory squatting the next ticket's name: the acquire fails cleanly
+ * with KL_EPROVIDER, the directory is left alone. */
+START_TEST(test_ticket_name_taken)
+{
+	const char *key = "lo:ticket:taken";
+	kl_provider *p = open_dir(g_dir);
+	char path[PATH_MAX];
+	struct hold h;
+	kl_error err;
+	struct stat st;
+
+	state_path(path, sizeof path, key, 0);
+	ck_assert_int_eq(mkdir(path, 0700), 0);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h, &err), KL_EPROVIDER);
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+	ck_assert_ptr_nonnull(strstr(err.message, "ticket"));
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert(S_ISDIR(st.st_mode));
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A queue file cut short (not a whole state) is KL_EPROVIDER for acquire
+ * and status, and for a waiter that finds it so when it wakes. */
+START_TEST(test_truncated_queue_file)
+{
+	const char *key = "lo:truncated", *key2 = "lo:truncated:2";
+	kl_provider *p = open_dir(g_dir);
+	char path[PATH_MAX];
+	struct waiter *w;
+	struct hold h;
+	kl_error err;
+	size_t holders, waiters;
+
+	plant_state(key, 0, 0);
+	state_path(path, sizeof path, key, -1);
+	ck_assert_int_eq(truncate(path, 5), 0);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h, &err), KL_EPROVIDER);
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_status(p, key, &holders, &waiters, &err),
+			 KL_EPROVIDER);
+	ck_assert_int_eq(err.status, KL_EPROVIDER);
+
+	take_ok(p, key2, 0, &h);
+	w = waiter_start(p, key2, WAIT_BOUND_MS, NULL, true, NULL);
+	wait_status(p, key2, 1, 1);
+	state_path(path, sizeof path, key2, -1);
+	ck_assert_int_eq(truncate(path, 5), 0);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_EPROVIDER, "waiter gave %s",
+		      kl_strerror(w->rc));
+	ck_assert_int_eq(w->err.status, KL_EPROVIDER);
+	waiter_free(w);
+	drop(&h); /* its failure is only reported as an event */
+	kl_provider_free(p);
+}
+END_TEST
+
+/* The state directory renamed under a waiter: its inotify watch (by path)
+ * cannot be set, and it falls back to polling until its timeout. */
+START_TEST(test_watch_fails_polls)
+{
+	const char *key = "lo:nowatch";
+	kl_provider *p = open_dir(g_dir);
+	char moved[PATH_MAX];
+	struct waiter *w;
+	struct hold h;
+
+	in_parent(moved, sizeof moved, "moved");
+	take_ok(p, key, 0, &h);
+	ck_assert_int_eq(rename(g_dir, moved), 0);
+	w = waiter_start(p, key, 200, NULL, true, NULL);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_ETIMEDOUT, "waiter gave %s",
+		      kl_strerror(w->rc));
+	ck_assert_int_ge((w->end_ns - w->start_ns) / 1000000, 190);
+	waiter_free(w);
+	ck_assert_int_eq(rename(moved, g_dir), 0);
+	drop(&h);
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Writes that fail (RLIMIT_FSIZE 0: every pwrite of the state is EFBIG):
+ * taking a ticket fails cleanly; a release that cannot pass the key on,
+ * and a waiter that cannot skip the gone holder, report KL_EPROVIDER; once
+ * writes work again the next acquirer repairs the queue. */
+START_TEST(test_write_failures)
+{
+	const char *key = "lo:nowrite", *key2 = "lo:nowrite:2";
+	kl_provider *p = open_dir(g_dir);
+	struct rlimit old, none;
+	struct sigaction ign = { .sa_handler = SIG_IGN }, saved;
+	struct waiter *w;
+	struct hold h;
+	kl_error err;
+
+	ck_assert_int_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+	none = old;
+	none.rlim_cur = 0;
+	ck_assert_int_eq(sigaction(SIGXFSZ, &ign, &saved), 0);
+
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &none), 0);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h, &err), KL_EPROVIDER);
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+	ck_assert_ptr_nonnull(strstr(err.message, "ticket"));
+	assert_status(p, key, 0, 0);
+
+	take_ok(p, key2, 0, &h);
+	w = waiter_start(p, key2, WAIT_BOUND_MS, NULL, true, NULL);
+	wait_status(p, key2, 1, 1);
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &none), 0);
+	drop(&h); /* cannot move serving on: reported as an event only */
+	waiter_join(w);
+	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+	ck_assert_msg(w->rc == KL_EPROVIDER, "waiter gave %s",
+		      kl_strerror(w->rc));
+	waiter_free(w);
+	/* Both tickets are dead now: the next acquirer skips them. */
+	take_ok(p, key2, 0, &h);
+	assert_status(p, key2, 1, 0);
+	drop(&h);
+	assert_status(p, key2, 0, 0);
+
+	ck_assert_int_eq(sigaction(SIGXFSZ, &saved, NULL), 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 /* KL_ERRORCHECK                                                       */
 
 START_TEST(test_errorcheck_refused)
@@ -1451,6 +1729,177 @@ START_TEST(test_process_fifo)
 	assert_status(p, "lo:proc:fifo", 0, 0);
 	for (int i = 0; i < N; i++)
 		helper_close(&hp[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Crash points (TESTPLAN T25 (b))                                     */
+
+/*
+ * The provider's named crash points (src/provider_local.c, KL_CRASH_AT),
+ * each at one step of queue mutation.  For every point, rounds of: a
+ * helper H holds the key; a helper C with KL_CRASH_AT=<point> queues
+ * behind it (dying at once at the entry points); survivors S1 and S2
+ * queue behind C; H is killed (so that C skips a dead ticket); C dies at
+ * its point while it is granted, or once granted is told to release and
+ * dies there (at "dead-skipped" the survivors come after C died, since a
+ * queued survivor could skip H's ticket first).  Then S1 and S2 must be
+ * granted in that order (FIFO for survivors), each alone (the helpers'
+ * O_EXCL marker: no double grant), none while C held the key, and the
+ * state must be repaired: no holder, no waiter, no ticket file left.
+ * Every round C must have died by SIGKILL, i.e. the point was reached.
+ * Waits are bounded (TEST_POLL_LIMIT_MS): a hang fails the test.
+ */
+static const char *const crash_points[] = {
+	"queue-opened",   "queue-locked",     "ticket-unlinked",
+	"ticket-created", "ticket-flocked",   "ticket-counted",
+	"waiting",        "dead-skipped",     "granting",
+	"granted",        "release-locked",   "release-unlinked",
+	"release-advanced",
+};
+#define N_CRASH_POINTS (sizeof crash_points / sizeof crash_points[0])
+
+/* The wait status of C once it has exited, polling; 0 with *alive true
+ * when it still runs after the queue shows it waiting. */
+static int
+crash_settle(kl_provider *p, const char *key, struct helper *c, bool *alive)
+{
+	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	unsigned spins = 0;
+	int status = 0;
+	size_t h, w;
+
+	for (;;) {
+		pid_t r = waitpid(c->pid, &status, WNOHANG);
+
+		if (r == c->pid) {
+			live_remove(c->pid);
+			*alive = false;
+			return status;
+		}
+		status_of(p, key, &h, &w);
+		if (h == 1 && w == 1) {
+			*alive = true;
+			return 0;
+		}
+		if (now_ms() > limit)
+			ck_abort_msg("crash helper neither died nor queued "
+				     "(%zu holders, %zu waiters)",
+				     h, w);
+		test_relax(&spins);
+	}
+}
+
+static void
+assert_killed(int status, const char *point, long round)
+{
+	ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+		      "point %s, round %ld: the crash helper ended with "
+		      "status 0x%x, not SIGKILL (point not reached?)",
+		      point, round, (unsigned)status);
+}
+
+static void
+read_file(const char *path, char *buf, size_t size)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	ssize_t n;
+
+	ck_assert_int_ge(fd, 0);
+	n = read(fd, buf, size - 1);
+	close(fd);
+	ck_assert_int_ge(n, 0);
+	buf[n] = '\0';
+}
+
+START_TEST(test_crash_point)
+{
+	const char *point = crash_points[_i];
+	const char *key = "lo:crash";
+	/* A queued survivor could skip H's dead ticket before C does: they
+	 * queue after C died there. */
+	bool late = strcmp(point, "dead-skipped") == 0;
+	long rounds = kl_test_scaled(20, 2);
+	kl_provider *p = open_dir(g_dir);
+	char file[PATH_MAX], got[64], line[300];
+	struct scan sc;
+	int early = 0, at_grant = 0, at_release = 0;
+
+	in_parent(file, sizeof file, "order");
+	for (long round = 0; round < rounds; round++) {
+		struct helper hh, c, s1, s2;
+		bool alive;
+		int fd, status;
+
+		fd = open(file, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+		ck_assert_int_ge(fd, 0);
+		close(fd);
+
+		helper_spawn(&hh, "hold", key, NULL, 0);
+		helper_granted(&hh);
+		helper_spawn_crash(&c, "hold", key, NULL, 0, point);
+		status = crash_settle(p, key, &c, &alive);
+		if (!alive) {
+			assert_killed(status, point, round);
+			early++;
+		}
+		if (!late) {
+			helper_spawn(&s1, "append", key, file, 1);
+			wait_status(p, key, 1, alive ? 2 : 1);
+			helper_spawn(&s2, "append", key, file, 2);
+			wait_status(p, key, 1, alive ? 3 : 2);
+		}
+		helper_kill(&hh);
+
+		if (alive) {
+			/* Dies on its way to the grant, or is granted. */
+			if (helper_line(&c, line, sizeof line)) {
+				ck_assert_msg(line[0] == 'G',
+					      "point %s: crash helper said "
+					      "'%s'",
+					      point, line);
+				/* Holding: the survivors wait, alone. */
+				wait_status(p, key, 1, 2);
+				read_file(file, got, sizeof got);
+				ck_assert_msg(got[0] == '\0',
+					      "point %s, round %ld: granted "
+					      "while the crash helper held: "
+					      "%s",
+					      point, round, got);
+				ck_assert_int_eq(write(c.to, "x\n", 2), 2);
+				at_release++;
+			} else {
+				at_grant++;
+			}
+			assert_killed(helper_reap(&c), point, round);
+		}
+		if (late) {
+			helper_spawn(&s1, "append", key, file, 1);
+			helper_exit_ok(&s1);
+			helper_spawn(&s2, "append", key, file, 2);
+		} else {
+			helper_exit_ok(&s1);
+		}
+		helper_exit_ok(&s2);
+		read_file(file, got, sizeof got);
+		ck_assert_msg(strcmp(got, "1\n2\n") == 0,
+			      "point %s, round %ld: grant order '%s'", point,
+			      round, got);
+		assert_status(p, key, 0, 0);
+		scan_state(g_dir, &sc);
+		ck_assert_msg(sc.tickets == 0,
+			      "point %s, round %ld: %d ticket files left",
+			      point, round, sc.tickets);
+		helper_close(&hh);
+		helper_close(&c);
+		helper_close(&s1);
+		helper_close(&s2);
+	}
+	fprintf(stderr,
+		"crash point %s: %ld rounds (%d died on entry, %d on the way "
+		"to the grant, %d on release)\n",
+		point, rounds, early, at_grant, at_release);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1752,6 +2201,14 @@ provider_local_suite(void)
 	tc = tcase_new(s, "handoff", 60);
 	tcase_add_test(tc, test_head_gives_up_passes_on);
 
+	tc = tcase_new(s, "errors", 60);
+	tcase_add_test(tc, test_alloc_failures);
+	tcase_add_test(tc, test_dead_ticket_not_a_file);
+	tcase_add_test(tc, test_ticket_name_taken);
+	tcase_add_test(tc, test_truncated_queue_file);
+	tcase_add_test(tc, test_watch_fails_polls);
+	tcase_add_test(tc, test_write_failures);
+
 	tc = tcase_new(s, "errorcheck", 60);
 	tcase_add_test(tc, test_errorcheck_refused);
 
@@ -1759,6 +2216,9 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_process_holder_killed);
 	tcase_add_test(tc, test_process_waiter_killed);
 	tcase_add_test(tc, test_process_fifo);
+
+	tc = tcase_new(s, "crash", 600);
+	tcase_add_loop_test(tc, test_crash_point, 0, (int)N_CRASH_POINTS);
 
 	tc = tcase_new(s, "security", 60);
 	tcase_add_test(tc, test_planted_symlink_queue);

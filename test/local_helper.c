@@ -8,7 +8,12 @@
  *	acquires KEY, writes "G <fence>" on stdout, then keeps the key until
  *	a line or end of file arrives on stdin, releases, writes "R", exits 0.
  *   local_helper append DIR KEY FILE INDEX
- *	acquires KEY, appends "INDEX\n" to FILE, releases, exits 0.
+ *	acquires KEY, appends "INDEX\n" to FILE, releases, exits 0.  While it
+ *	holds the key it keeps the marker file FILE.in, made with O_EXCL: a
+ *	marker already there means two holders at once, and it exits 5.
+ *
+ * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
+ * that crash point of the local provider (src/provider_local.c).
  *
  * A failure to acquire writes "E <status> <message>" and exits 3; bad usage
  * exits 2.  Every wait is bounded (HELPER_TIMEOUT_MS) and the helper asks to
@@ -25,6 +30,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #if defined(__linux__)
 #include <sys/prctl.h>
@@ -40,6 +46,24 @@ usage(void)
 	fprintf(stderr, "usage: local_helper hold DIR KEY\n"
 			"       local_helper append DIR KEY FILE INDEX\n");
 	return 2;
+}
+
+/* Made on grant, removed before release: 0, or -1 when another holder
+ * has it. */
+static int
+marker_make(const char *file, char *marker, size_t size)
+{
+	struct timespec ts = { 0, 2000000 };
+	int fd;
+
+	snprintf(marker, size, "%s.in", file);
+	fd = open(marker, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	if (fd < 0)
+		return -1;
+	close(fd);
+	/* Stay a little, so that an overlapping holder finds it. */
+	nanosleep(&ts, NULL);
+	return 0;
 }
 
 static int
@@ -112,8 +136,15 @@ main(int argc, char **argv)
 		while (read(STDIN_FILENO, buf, sizeof buf) < 0 &&
 		       errno == EINTR)
 			;
-	} else if (append_line(argv[4], argv[5]) != 0) {
-		rc = 4;
+	} else {
+		char marker[4096];
+
+		if (marker_make(argv[4], marker, sizeof marker) != 0)
+			rc = 5;
+		else if (append_line(argv[4], argv[5]) != 0)
+			rc = 4;
+		if (rc != 5)
+			unlink(marker);
 	}
 	kl_lease_release(lease);
 	if (hold)
