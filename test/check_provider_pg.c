@@ -12,7 +12,14 @@
  * SIGKILL, a holder's backend terminated (lease invalid, KL_EV_LOST, then
  * KL_EV_RELEASE_FAILED), a dead idle connection replaced, the pool bound,
  * KL_ERRORCHECK, unreachable servers, bad URIs and authentication failures
- * whose messages never show the password.  With KEYLOCK_TEST_PG_AUTH_URI
+ * whose messages never show the password; TESTPLAN T24 (a) to (f): a
+ * killed holder (50 rounds), a stopped one under idle_session_timeout, a
+ * terminated backend, the 500 ms timeout bound, the release of a lock the
+ * session lost, and last, the server stopped with pg_ctl -m immediate and
+ * started again (KEYLOCK_TEST_PG_CTL, _DATA, _LOG, _OPTS, _RUNAS; not run
+ * without them); T14's provider variant: a forked child using the
+ * inherited provider opens backends of its own and leaves the parent's
+ * alone.  With KEYLOCK_TEST_PG_AUTH_URI
  * (a role with a password, checked by scram or md5) the wrong-password case
  * runs against real password authentication.
  *
@@ -118,6 +125,18 @@ admin_int(const char *sql)
 	v = PQgetisnull(r, 0, 0) ? -1 : strtoll(PQgetvalue(r, 0, 0), NULL, 10);
 	PQclear(r);
 	return v;
+}
+
+/* One text value (NULL: "") from the admin connection, into buf. */
+static void
+admin_text(const char *sql, char *buf, size_t size)
+{
+	PGresult *r = PQexec(g_admin, sql);
+
+	ck_assert_msg(PQresultStatus(r) == PGRES_TUPLES_OK && PQntuples(r) == 1,
+		      "%s: %s", sql, PQresultErrorMessage(r));
+	snprintf(buf, size, "%s", PQgetvalue(r, 0, 0));
+	PQclear(r);
 }
 
 /* What pg_locks shows for key, found from kl_pg_key_id independently of
@@ -976,13 +995,13 @@ START_TEST(test_killed_holder_frees_the_key)
 {
 	kl_provider *p = open_pg(NULL);
 	const char *key = new_key("killed");
-	int rounds = (int)kl_test_scaled(5, 2);
+	int rounds = (int)kl_test_scaled(50, 10);
 	struct helper hp;
 	struct waiter *w;
 	int64_t killed;
 
-	/* TESTPLAN T24 (a): the kernel closes a dead holder's socket and
-	 * the server ends its session at once. */
+	/* TESTPLAN T24 (a), 50 rounds: the kernel closes a dead holder's
+	 * socket and the server ends its session at once. */
 	for (int i = 0; i < rounds; i++) {
 		holder_start(&hp, g_uri, key);
 		w = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
@@ -1121,6 +1140,92 @@ START_TEST(test_dead_idle_connection_replaced)
 	take_ok(p, key, &h);
 	ck_assert(kl_lease_valid(h.lease));
 	drop(&h);
+	wait_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_timeout_bound_t24d)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("t24d");
+	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct hold h, h2;
+	kl_error err;
+	long long g, w, holder;
+	int64_t t0, took, worst = 0;
+	int rc;
+
+	/* TESTPLAN T24 (d): a waiter with timeout 500 ms on a held key gets
+	 * KL_ETIMEDOUT within 500 + 100 ms and leaves nothing on the server:
+	 * pg_locks shows the holder's lock and no waiting entry.  Three
+	 * rounds, the first on a new connection, the others on the one the
+	 * timed-out wait gave back to the pool. */
+	take_ok(p, key, &h);
+	holder = holder_pid(key);
+	for (int i = 0; i < 3; i++) {
+		t0 = now_ms();
+		rc = take_ev(p, key, 500, NULL, 0, &ev, &h2, &err);
+		took = now_ms() - t0;
+		ck_assert_msg(rc == KL_ETIMEDOUT, "round %d: %s: %s", i,
+			      kl_strerror(rc), err.message);
+		ck_assert_int_eq(err.status, KL_ETIMEDOUT);
+		ck_assert_msg(took >= 490, "round %d: timed out after %lld ms",
+			      i, (long long)took);
+		if (took > worst)
+			worst = took;
+		server_locks(key, &g, &w);
+		ck_assert_int_eq(g, 1);
+		ck_assert_int_eq(w, 0);
+		ck_assert_int_eq(holder_pid(key), holder);
+	}
+	ck_assert_msg(worst <= 600, "KL_ETIMEDOUT after %lld ms (bound 600)",
+		      (long long)worst);
+	ck_assert_int_eq(event_count(&ev, KL_EV_REJECTED), 3);
+	ck_assert_int_eq(ev.last_status[KL_EV_REJECTED], KL_ETIMEDOUT);
+	ck_assert_int_eq(event_count(&ev, KL_EV_ACQUIRED), 0);
+	drop(&h);
+	/* Nothing left for that key once the holder is gone. */
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+START_TEST(test_release_not_held_t24e)
+{
+	kl_provider *p = open_pg("health_interval=1h");
+	const char *key = new_key("t24e");
+	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct hold h;
+	kl_error err;
+	char sql[128];
+	long long pid;
+	int rc;
+
+	/* TESTPLAN T24 (e): release of a key the session no longer holds,
+	 * before any health check could notice (health_interval 1h): the
+	 * server ended the session under the lease.  KL_EV_RELEASE_FAILED
+	 * with KL_EPROVIDER, no KL_EV_RELEASED, no crash, and the provider
+	 * works on. */
+	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, 0, &ev, &h, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	pid = holder_pid(key);
+	ck_assert_int_gt(pid, 0);
+	snprintf(sql, sizeof sql, "SELECT pg_terminate_backend(%lld)::int",
+		 pid);
+	ck_assert_int_eq(admin_int(sql), 1);
+	wait_server_locks(key, 0, 0);
+	ck_assert(kl_lease_valid(h.lease)); /* not checked yet */
+	drop(&h);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(ev.last_status[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
+	/* The broken connection was not put back: the next calls work. */
+	for (int i = 0; i < 3; i++) {
+		take_ok(p, key, &h);
+		ck_assert(kl_lease_valid(h.lease));
+		drop(&h);
+	}
 	wait_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
@@ -1273,6 +1378,308 @@ START_TEST(test_authentication_failures)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* fork() (TESTPLAN T14, provider variant)                             */
+
+START_TEST(test_fork_child_opens_its_own_sessions)
+{
+	char extra[128], app[48], sql[1024], mine[512], left[512];
+	const char *key = new_key("fork"), *ckey = new_key("forkchild");
+	int ops = (int)kl_test_scaled(1000, 100), ctl[2], rep[2], status;
+	long long child_backend;
+	uint64_t last = 0, f;
+	kl_provider *p;
+	struct hold h;
+	size_t hs, ws;
+	char c = 0;
+	pid_t pid;
+
+	/* The parent has an idle pooled connection and the status one when
+	 * it forks.  A child that uses the inherited provider must open
+	 * sessions of its own (a pid check), never write on the parent's,
+	 * not even the Terminate message of PQfinish: the parent's backends
+	 * outlive the child, and its next ops are fine.  health_interval
+	 * 1h: the health thread holds no lock at the fork. */
+	snprintf(app, sizeof app, "kl-fork-%d", (int)getpid());
+	snprintf(extra, sizeof extra, "application_name=%s&"
+		 "health_interval=1h", app);
+	p = open_pg(extra);
+	take_ok(p, key, &h);
+	last = kl_lease_fence(h.lease);
+	drop(&h);
+	wait_status(p, key, 0, 0);
+	snprintf(sql, sizeof sql,
+		 "SELECT coalesce(string_agg(pid::text, ',' ORDER BY pid), '')"
+		 " FROM pg_stat_activity WHERE application_name = '%s'", app);
+	admin_text(sql, mine, sizeof mine);
+	ck_assert_msg(strchr(mine, ',') != NULL,
+		      "expected two backends of the parent, got '%s'", mine);
+
+	ck_assert_int_eq(pipe2(ctl, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(rep, O_CLOEXEC), 0);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		struct hold ch;
+		kl_error e;
+		int r = take(p, ckey, 10000, NULL, &ch, &e);
+
+		c = r == KL_OK ? 'G' : 'E';
+		if (write(rep[1], &c, 1) != 1)
+			_exit(3);
+		if (r == KL_OK) {
+			if (read(ctl[0], &c, 1) != 1)
+				_exit(4);
+			drop(&ch);
+		}
+		r = r == KL_OK ? kl_provider_status(p, ckey, &hs, &ws, &e)
+			       : r;
+		kl_provider_free(p);
+		_exit(r == KL_OK ? 0 : 1);
+	}
+	live_add(pid);
+	close(ctl[0]);
+	close(rep[1]);
+	ck_assert_int_eq(read(rep[0], &c, 1), 1);
+	ck_assert_msg(c == 'G', "the child could not take '%s'", ckey);
+	/* The child holds ckey on a backend the parent never had, made
+	 * with the provider's parameters. */
+	child_backend = holder_pid(ckey);
+	ck_assert_int_gt(child_backend, 0);
+	snprintf(sql, sizeof sql,
+		 "SELECT count(*) FROM pg_stat_activity WHERE pid = %lld AND "
+		 "application_name = '%s' AND %lld <> ALL "
+		 "(string_to_array('%s', ',')::int[])",
+		 child_backend, app, child_backend, mine);
+	ck_assert_msg(admin_int(sql) == 1,
+		      "the child's lock is on backend %lld (parent's: %s)",
+		      child_backend, mine);
+	ck_assert_int_eq(write(ctl[1], "g", 1), 1);
+	close(ctl[1]);
+	close(rep[0]);
+	{
+		int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+		pid_t r;
+
+		while ((r = waitpid(pid, &status, WNOHANG)) == 0) {
+			ck_assert_msg(now_ms() < limit, "child still running");
+			test_sleep_ms(5);
+		}
+		ck_assert_int_eq(r, pid);
+		live_remove(pid);
+	}
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		      "child status 0x%x", (unsigned)status);
+	/* The parent's backends are all still there, and only they. */
+	wait_server_locks(ckey, 0, 0);
+	snprintf(sql, sizeof sql,
+		 "SELECT coalesce(string_agg(pid::text, ',' ORDER BY pid), '')"
+		 " FROM pg_stat_activity WHERE application_name = '%s'", app);
+	for (int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;;) {
+		admin_text(sql, left, sizeof left);
+		if (strcmp(left, mine) == 0)
+			break;
+		ck_assert_msg(now_ms() < limit,
+			      "backends before the fork: %s; after: %s", mine,
+			      left);
+		test_sleep_ms(5);
+	}
+	/* The parent's next ops, on its own connections. */
+	for (int i = 0; i < ops; i++) {
+		take_ok(p, key, &h);
+		f = kl_lease_fence(h.lease);
+		ck_assert_msg(f > last,
+			      "op %d: fence %" PRIu64 " after %" PRIu64, i, f,
+			      last);
+		last = f;
+		drop(&h);
+	}
+	wait_status(p, key, 0, 0);
+	admin_text(sql, left, sizeof left);
+	ck_assert_str_eq(left, mine);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Server restart (TESTPLAN T24 f)                                     */
+
+/* KEYLOCK_TEST_PG_CTL, _DATA, _LOG and _OPTS (tools/test stage pg sets
+ * them, and _RUNAS when it runs as root) let the suite stop and start the
+ * server.  Without them the restart test is not run. */
+static bool
+restart_env(void)
+{
+	static const char *const names[] = {
+		"KEYLOCK_TEST_PG_CTL", "KEYLOCK_TEST_PG_DATA",
+		"KEYLOCK_TEST_PG_LOG", "KEYLOCK_TEST_PG_OPTS"
+	};
+
+	for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+		const char *v = getenv(names[i]);
+
+		if (v == NULL || v[0] == '\0')
+			return false;
+	}
+	return true;
+}
+
+/* pg_ctl -D DATA verb [-m immediate | -l LOG -o OPTS] -w, as the server's
+ * user; its exit status, or -1 when it could not be run. */
+static int
+pg_ctl(const char *verb)
+{
+	const char *runas = getenv("KEYLOCK_TEST_PG_RUNAS");
+	posix_spawn_file_actions_t fa;
+	const char *argv[20];
+	int n = 0, status;
+	pid_t pid;
+
+	if (runas != NULL && runas[0] != '\0') {
+		argv[n++] = "runuser";
+		argv[n++] = "-u";
+		argv[n++] = runas;
+		argv[n++] = "--";
+	}
+	argv[n++] = getenv("KEYLOCK_TEST_PG_CTL");
+	argv[n++] = "-D";
+	argv[n++] = getenv("KEYLOCK_TEST_PG_DATA");
+	argv[n++] = "-w";
+	argv[n++] = "-t";
+	argv[n++] = "60";
+	if (strcmp(verb, "stop") == 0) {
+		argv[n++] = "-m";
+		argv[n++] = "immediate";
+	} else if (strcmp(verb, "start") == 0) {
+		argv[n++] = "-l";
+		argv[n++] = getenv("KEYLOCK_TEST_PG_LOG");
+		argv[n++] = "-o";
+		argv[n++] = getenv("KEYLOCK_TEST_PG_OPTS");
+	}
+	argv[n++] = verb;
+	argv[n] = NULL;
+	if (posix_spawn_file_actions_init(&fa) != 0)
+		return -1;
+	posix_spawn_file_actions_addopen(&fa, 1, "/dev/null", O_WRONLY, 0);
+	if (posix_spawnp(&pid, argv[0], &fa, NULL, (char *const *)argv,
+			 environ) != 0) {
+		posix_spawn_file_actions_destroy(&fa);
+		return -1;
+	}
+	posix_spawn_file_actions_destroy(&fa);
+	if (waitpid(pid, &status, 0) != pid || !WIFEXITED(status))
+		return -1;
+	return WEXITSTATUS(status);
+}
+
+/* Unchecked teardown of the restart case, in the runner's process: the
+ * server runs again whatever the test did (pg_ctl status: 3 when not
+ * running), for the stage's later steps. */
+static void
+restart_teardown(void)
+{
+	if (restart_env() && pg_ctl("status") == 3 && pg_ctl("start") != 0)
+		fprintf(stderr, "check_provider_pg: could not start the "
+				"server again\n");
+}
+
+START_TEST(test_server_restart_t24f)
+{
+	static const int64_t down_timeouts[] = { 0, 300, 1000 };
+	const char *key = new_key("t24f"), *other = new_key("t24f-other");
+	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct waiter *w[2];
+	struct hold h, h2;
+	kl_provider *p;
+	kl_error err;
+	uint64_t fence;
+	int64_t t0, took;
+	size_t hs, ws;
+	int rc;
+
+	if (!restart_env()) {
+		printf("note: KEYLOCK_TEST_PG_CTL, _DATA, _LOG or _OPTS unset: "
+		       "the server restart (T24 f) is not run\n");
+		return;
+	}
+	/* TESTPLAN T24 (f): the server stops (-m immediate: no goodbye to
+	 * the clients) while a lease is held and two calls wait.  Every call
+	 * returns KL_EPROVIDER or a lease within its timeout + 100 ms, the
+	 * lease is reported lost, and once the server is back the provider
+	 * reconnects by itself. */
+	p = open_pg("health_interval=200ms&connect_timeout=2");
+	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, 0, &ev, &h, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	fence = kl_lease_fence(h.lease);
+	for (int i = 0; i < 2; i++) {
+		w[i] = waiter_start(p, key, 5000, NULL, false, NULL);
+		wait_status(p, key, 1, (size_t)i + 1);
+	}
+	ck_assert_int_eq(pg_ctl("stop"), 0);
+	for (int i = 0; i < 2; i++) {
+		waiter_join(w[i]);
+		took = (w[i]->end_ns - w[i]->start_ns) / 1000000;
+		ck_assert_msg(w[i]->rc == KL_EPROVIDER || w[i]->rc == KL_OK,
+			      "waiter %d: %s: %s", i, kl_strerror(w[i]->rc),
+			      w[i]->err.message);
+		ck_assert_msg(took <= 5000 + 100, "waiter %d: %lld ms", i,
+			      (long long)took);
+	}
+	/* While the server is down: tries, short and longer waits. */
+	for (size_t i = 0; i < 3; i++) {
+		t0 = now_ms();
+		rc = take(p, other, down_timeouts[i], NULL, &h2, &err);
+		took = now_ms() - t0;
+		ck_assert_msg(rc == KL_EPROVIDER, "timeout %lld: %s: %s",
+			      (long long)down_timeouts[i], kl_strerror(rc),
+			      err.message);
+		ck_assert_msg(took <= down_timeouts[i] + 100,
+			      "timeout %lld: KL_EPROVIDER after %lld ms",
+			      (long long)down_timeouts[i], (long long)took);
+	}
+	rc = kl_provider_status(p, other, &hs, &ws, &err);
+	ck_assert_int_eq(rc, KL_EPROVIDER);
+	/* The lease held before is reported lost. */
+	t0 = now_ms();
+	while (kl_lease_valid(h.lease)) {
+		ck_assert_msg(now_ms() - t0 < TEST_POLL_LIMIT_MS,
+			      "lease still valid");
+		test_sleep_ms(5);
+	}
+	while (event_count(&ev, KL_EV_LOST) == 0) {
+		ck_assert_msg(now_ms() - t0 < TEST_POLL_LIMIT_MS,
+			      "no KL_EV_LOST");
+		test_sleep_ms(5);
+	}
+	ck_assert_int_eq(ev.last_status[KL_EV_LOST], KL_EPROVIDER);
+
+	ck_assert_int_eq(pg_ctl("start"), 0);
+	/* Reconnects: the key is free (the old session is gone), fences go
+	 * on growing, status answers again. */
+	rc = take(p, key, 5000, NULL, &h2, &err);
+	ck_assert_msg(rc == KL_OK, "after the restart: %s: %s",
+		      kl_strerror(rc), err.message);
+	ck_assert(kl_lease_valid(h2.lease));
+	ck_assert_msg(kl_lease_fence(h2.lease) > fence,
+		      "fence %" PRIu64 " after the restart, %" PRIu64
+		      " before",
+		      kl_lease_fence(h2.lease), fence);
+	wait_status(p, key, 1, 0);
+	drop(&h2);
+	/* Releasing the lost lease is reported, and harmless. */
+	drop(&h);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
+	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
+	for (int i = 0; i < 2; i++)
+		waiter_free(w[i]);
+	take_ok(p, other, &h2);
+	drop(&h2);
+	wait_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static Suite *
 provider_pg_suite(void)
@@ -1294,6 +1701,7 @@ provider_pg_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_try_once);
 	tcase_add_test(tc, test_timeout_leaves_nothing);
+	tcase_add_test(tc, test_timeout_bound_t24d);
 	tcase_add_test(tc, test_cancel_from_another_thread);
 	tcase_add_test(tc, test_cancel_token_timeout);
 	tcase_add_test(tc, test_fifo_across_threads);
@@ -1315,6 +1723,7 @@ provider_pg_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_terminated_backend_loses_the_lease);
 	tcase_add_test(tc, test_dead_idle_connection_replaced);
+	tcase_add_test(tc, test_release_not_held_t24e);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("failures");
@@ -1323,6 +1732,20 @@ provider_pg_suite(void)
 	tcase_add_test(tc, test_unreachable_server);
 	tcase_add_test(tc, test_bad_uris);
 	tcase_add_test(tc, test_authentication_failures);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("fork");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 120);
+	tcase_add_test(tc, test_fork_child_opens_its_own_sessions);
+	suite_add_tcase(s, tc);
+
+	/* Last: it stops and starts the server. */
+	tc = tcase_create("restart");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_add_unchecked_fixture(tc, NULL, restart_teardown);
+	tcase_set_timeout(tc, 180);
+	tcase_add_test(tc, test_server_restart_t24f);
 	suite_add_tcase(s, tc);
 	return s;
 }

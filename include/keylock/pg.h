@@ -39,7 +39,10 @@
  * then; else create it beforehand and grant USAGE on it).  KL_ERRORCHECK
  * is honoured per provider object: a thread that holds a key through this
  * provider and asks for it again gets KL_EDEADLK.  Passwords never appear
- * in error messages.  See kl_pg_provider_open(3).
+ * in error messages.  After fork() the child should open its own
+ * provider; one inherited never writes on the parent's connections (it
+ * opens new ones), and a lease the parent held cannot be released there.
+ * See kl_pg_provider_open(3).
  */
 #ifndef KEYLOCK_PG_H
 #define KEYLOCK_PG_H
