@@ -9,6 +9,10 @@
 #include <sched.h>
 #include <string.h>
 #include <time.h>
+#ifdef KL_TEST_HOOKS
+#include <stdarg.h>
+#include <stdio.h>
+#endif
 
 #include "internal.h"
 
@@ -78,6 +82,18 @@ kl__test_yield(const char *where)
 		nanosleep(&ts, NULL);
 		break;
 	}
+}
+
+void
+kl__test_report(const char *fmt, ...)
+{
+	va_list ap;
+
+	va_start(ap, fmt);
+	fputs("keylock: invariant broken: ", stderr);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+	va_end(ap);
 }
 
 static bool

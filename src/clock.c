@@ -19,12 +19,6 @@ kl__now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
-int
-kl__check_timeout(int64_t timeout_ms)
-{
-	return timeout_ms >= 0 || timeout_ms == KL_FOREVER ? KL_OK : KL_EINVAL;
-}
-
 int64_t
 kl__deadline(int64_t timeout_ms)
 {
@@ -62,29 +56,26 @@ kl__condattr(void)
 
 static atomic_uint_fast64_t next_block = 1;
 static atomic_uint_fast64_t next_tid = 1;
-/* initial-exec: a library loaded at start-up (not by dlopen) may use it,
- * and it spares every enter a __tls_get_addr call. */
-#define KL_TLS _Thread_local __attribute__((tls_model("initial-exec")))
-static KL_TLS uint64_t id_next, id_end, tid;
+KL_TLS uint64_t kl__id_next, kl__id_end, kl__tid;
 
+/* The slow path of kl__next_id (internal.h): this thread's block is used
+ * up (or it has none yet). */
 uint64_t
-kl__next_id(void)
+kl__next_id_block(void)
 {
-	if (id_next == id_end) {
-		id_next = atomic_fetch_add_explicit(&next_block, ID_BLOCK,
-						    memory_order_relaxed);
-		id_end = id_next + ID_BLOCK;
-	}
-	return id_next++;
+	kl__id_next = atomic_fetch_add_explicit(&next_block, ID_BLOCK,
+						memory_order_relaxed);
+	kl__id_end = kl__id_next + ID_BLOCK;
+	return kl__id_next++;
 }
 
+/* The slow path of kl__thread_id: this thread's first call. */
 uint64_t
-kl__thread_id(void)
+kl__thread_id_new(void)
 {
-	if (tid == 0)
-		tid = atomic_fetch_add_explicit(&next_tid, 1,
-						memory_order_relaxed);
-	return tid;
+	kl__tid = atomic_fetch_add_explicit(&next_tid, 1,
+					    memory_order_relaxed);
+	return kl__tid;
 }
 
 int64_t

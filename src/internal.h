@@ -41,14 +41,43 @@ KL_HIDDEN int64_t kl__now_ns(void);
 /* Absolute deadline for timeout_ms from now, saturating at KL_NO_DEADLINE.
  * KL_FOREVER and values past the clock's range give KL_NO_DEADLINE. */
 KL_HIDDEN int64_t kl__deadline(int64_t timeout_ms);
-/* KL_OK when timeout_ms is KL_FOREVER or >= 0, else KL_EINVAL. */
-KL_HIDDEN int kl__check_timeout(int64_t timeout_ms);
+/* KL_OK when timeout_ms is KL_FOREVER or >= 0, else KL_EINVAL.  Inline:
+ * every enter checks it. */
+static inline int
+kl__check_timeout(int64_t timeout_ms)
+{
+	return timeout_ms >= 0 || timeout_ms == KL_FOREVER ? KL_OK : KL_EINVAL;
+}
 /* pthread_condattr with CLOCK_MONOTONIC, made once. */
 KL_HIDDEN const pthread_condattr_t *kl__condattr(void);
-/* A unique, never reused, nonzero id (tokens, leases). */
-KL_HIDDEN uint64_t kl__next_id(void);
-/* A nonzero id of the calling thread, unique in the process. */
-KL_HIDDEN uint64_t kl__thread_id(void);
+/* A unique, never reused, nonzero id (tokens, leases).  Inline, as it is
+ * taken on every enter: a thread-local increment, and a shared atomic once
+ * per block of ids (kl__next_id_block).  initial-exec TLS: a library loaded
+ * at start-up (not by dlopen) may use it, and it spares every enter a
+ * __tls_get_addr call. */
+#define KL_TLS _Thread_local __attribute__((tls_model("initial-exec")))
+extern KL_HIDDEN KL_TLS uint64_t kl__id_next, kl__id_end;
+KL_HIDDEN uint64_t kl__next_id_block(void);
+
+static inline uint64_t
+kl__next_id(void)
+{
+	if (__builtin_expect(kl__id_next == kl__id_end, 0))
+		return kl__next_id_block();
+	return kl__id_next++;
+}
+/* A nonzero id of the calling thread, unique in the process.  Inline for
+ * the same reason as kl__next_id. */
+extern KL_HIDDEN KL_TLS uint64_t kl__tid;
+KL_HIDDEN uint64_t kl__thread_id_new(void);
+
+static inline uint64_t
+kl__thread_id(void)
+{
+	if (__builtin_expect(kl__tid == 0, 0))
+		return kl__thread_id_new();
+	return kl__tid;
+}
 /* CLOCK_MONOTONIC_COARSE nanoseconds: a few ms of resolution, a fraction of
  * the cost; for times only reported in milliseconds. */
 KL_HIDDEN int64_t kl__coarse_now_ns(void);
@@ -57,14 +86,14 @@ KL_HIDDEN int64_t kl__coarse_now_ns(void);
 /* waitq.c: the FIFO queue of parked threads.
  *
  * A waitq does not own a lock: every call below is made with the caller's
- * lock held (q->lock).  kl_mutex and kl_reset_event use a lock of their own;
- * the key table uses its shard lock for all queues of the shard, so that an
- * entry's fate (free it or not) is decided under the same lock as the
- * hand-off.
+ * lock held (the lock given to kl__waitq_init and kl__waiter_prepare).
+ * kl_mutex and kl_reset_event use a lock of their own; the key table uses
+ * its shard lock for all queues of the shard, so that an entry's fate (free
+ * it or not) is decided under the same lock as the hand-off.
  *
  * Each waiter lives on its waiting thread's stack and parks on a word of its
  * own (a futex on Linux).  Its state moves once from WAITING to a final
- * state, always under q->lock; whoever makes that move (granter, timer,
+ * state, always under the queue lock; whoever makes that move (granter, timer,
  * canceller, evictor) decides the outcome, so a grant racing a timeout or
  * cancel ends in exactly one of them.  The outcome is then published in the
  * word, and the waiter reads it without taking the lock again.
@@ -98,13 +127,23 @@ struct kl__waiter {
 	uint64_t data; /* for the queue's user: token id, fence */
 };
 
+/* The waiters form a ring through next and prev: head->prev is the tail.
+ * The queue keeps no lock pointer (each waiter has it), so that a key table
+ * entry stays small. */
 struct kl__waitq {
-	pthread_mutex_t *lock;
-	struct kl__waiter *head, *tail;
+	struct kl__waiter *head;
 	size_t len;
 };
 
+/* lock: the caller's lock, which guards the queue (kept by the waiters). */
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
+
+/* The newest waiter, NULL when the queue is empty.  Lock held. */
+static inline struct kl__waiter *
+kl__waitq_tail(const struct kl__waitq *q)
+{
+	return q->head != NULL ? q->head->prev : NULL;
+}
 
 /* Queues w at the tail and waits: lock held on entry, RELEASED on return.
  * The caller must have called kl__waiter_prepare(w, ...) first (before
@@ -212,6 +251,27 @@ KL_API void kl__test_yield(const char *where);
  * how many allocations were made since the last call. */
 KL_API long kl__test_fail_alloc_at(long k);
 KL_API void kl__test_set_hash_seed(uint64_t k0, uint64_t k1);
+
+/* Invariant checkers (TESTPLAN T06, T29): each takes the locks of what it
+ * checks, one at a time, so it may run while other threads use the object.
+ * KL_OK, or KL_EINVAL after printing to stderr what broke.
+ * kl__test_check_invariants: every shard of a memory provider's table
+ * (KL_EINVAL also for a provider that is not a memory provider).
+ * kl__test_mutex_check: a kl_mutex's state word against its queue. */
+KL_API int kl__test_check_invariants(kl_provider *p);
+KL_API int kl__test_mutex_check(kl_mutex *m);
+/* Adds delta to the entry count of one shard of p's table, so that a test
+ * can see the checker notice, then repair it with -delta.  Only while no
+ * other thread uses p. */
+KL_API void kl__test_table_skew(kl_provider *p, long delta);
+/* Prints "keylock: invariant broken: " and the message to stderr. */
+KL_HIDDEN void kl__test_report(const char *fmt, ...)
+	__attribute__((format(printf, 1, 2)));
+/* Checks q's ring against q->len: every waiter linked both ways, WAITING
+ * (none granted or failed while still queued), of q and of lock.  Lock
+ * held.  what names q in reports. */
+KL_HIDDEN int kl__waitq_check(const struct kl__waitq *q,
+			      const pthread_mutex_t *lock, const char *what);
 #endif
 
 #endif /* KL_INTERNAL_H */

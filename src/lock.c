@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "internal.h"
+#include "table.h"
 
 struct kl_lock {
 	kl_provider *provider;
@@ -35,6 +36,34 @@ struct kl_lease {
 };
 
 #define KNOWN_FLAGS KL_ERRORCHECK
+
+/*
+ * A lease of kl_lock_acquire from a memory provider, on a lock without an
+ * event hook, lives in the key's table entry: a held key costs one
+ * allocation.  Such a lease is the entry's lock word (kl__entry_lock), which
+ * holds the kl_lock just as a struct kl_lease holds it in its first member,
+ * so lease_lock() reads either kind and the lock says which kind it is.
+ * Its key and fence are the entry's; it ends with the release, like the
+ * entry may.  A lock with a hook keeps the separate lease: its events need
+ * the key after the release.
+ */
+static bool
+in_entry(const kl_lock *l)
+{
+	return l->provider->table != NULL && l->on_event == NULL;
+}
+
+static kl_lock *
+lease_lock(const kl_lease *lease)
+{
+	return *(kl_lock *const *)(const void *)lease;
+}
+
+static struct kl__entry *
+lease_entry(const kl_lease *lease)
+{
+	return kl__entry_of_lock((kl_lock **)(void *)(uintptr_t)lease);
+}
 
 int
 kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
@@ -134,6 +163,54 @@ resolve_key(kl_lock *l, const kl_call *call, const char **key, size_t *len,
 	return KL_ENOKEY;
 }
 
+/* Fills err for a failure rc to acquire key; detail is the provider's
+ * message ("" for none). */
+static void
+rejected(const kl_lock *l, const char *key, size_t len, int rc,
+	 const char *detail, kl_error *err)
+{
+	char shown[72];
+
+	if (err == NULL)
+		return;
+	kl__key_printable(shown, sizeof shown, key, len);
+	if (detail[0] != '\0')
+		kl__error_set(err, rc, "lock '%s': %s", shown, detail);
+	else if (rc == KL_ETIMEDOUT)
+		kl__error_set(err, rc, "lock '%s' not acquired within %lld ms",
+			      shown, (long long)l->timeout_ms);
+	else
+		kl__error_set(err, rc, "lock '%s': %s", shown,
+			      kl_strerror(rc));
+}
+
+/* kl_lock_acquire with the lease in the key's entry (see in_entry): no
+ * event to raise. */
+static int
+acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
+		 size_t len, kl_lease **out, kl_error *err)
+{
+	struct kl__entry *e;
+	uint64_t fence;
+	int rc;
+
+	rc = kl__table_acquire(l->provider->table, key, len,
+			       kl__deadline(l->timeout_ms),
+			       call != NULL ? call->cancel : NULL, l->flags,
+			       &e, &fence);
+	if (rc != KL_OK) {
+		rejected(l, key, len, rc, "", err);
+		return rc;
+	}
+	*kl__entry_lock(e) = l;
+	*out = (kl_lease *)(void *)kl__entry_lock(e);
+	if (err != NULL) {
+		err->status = KL_OK;
+		err->message[0] = '\0';
+	}
+	return KL_OK;
+}
+
 /* Asks the provider for lease->key and raises ACQUIRED or REJECTED. */
 static int
 acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
@@ -141,7 +218,6 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 {
 	kl_provider *p = l->provider;
 	kl_cancel *cancel = call != NULL ? call->cancel : NULL;
-	char shown[72];
 	kl_error perr;
 	int64_t start;
 	int rc;
@@ -156,21 +232,8 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 			    l->timeout_ms, l->ttl_ms, l->flags, &lease->handle,
 			    &lease->fence, &perr);
 	if (rc != KL_OK) {
-		if (err != NULL) {
-			kl__key_printable(shown, sizeof shown, lease->key,
-					  lease->key_len);
-			if (perr.message[0] != '\0')
-				kl__error_set(err, rc, "lock '%s': %s", shown,
-					      perr.message);
-			else if (rc == KL_ETIMEDOUT)
-				kl__error_set(err, rc,
-					      "lock '%s' not acquired within "
-					      "%lld ms",
-					      shown, (long long)l->timeout_ms);
-			else
-				kl__error_set(err, rc, "lock '%s': %s", shown,
-					      kl_strerror(rc));
-		}
+		rejected(l, lease->key, lease->key_len, rc, perr.message,
+			 err);
 		emit(l, KL_EV_REJECTED, lease->key, rc,
 		     l->on_event != NULL ? ms_since(start) : 0, 0);
 		return rc;
@@ -247,6 +310,8 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 	}
 	if ((rc = resolve_key(l, call, &key, &len, err)) != KL_OK)
 		return rc;
+	if (in_entry(l))
+		return acquire_in_entry(l, call, key, len, out, err);
 	/* The call's key may not outlive the call: the lease keeps a copy,
 	 * made first so that nothing can fail once the key is held. */
 	if (len > SIZE_MAX - sizeof *lease - 1 ||
@@ -270,8 +335,15 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 void
 kl_lease_release(kl_lease *lease)
 {
+	kl_lock *l;
+
 	if (lease == NULL)
 		return;
+	l = lease_lock(lease);
+	if (in_entry(l)) {
+		kl__table_release(l->provider->table, lease_entry(lease));
+		return;
+	}
 	release(lease);
 	kl__free(lease);
 }
@@ -279,7 +351,11 @@ kl_lease_release(kl_lease *lease)
 uint64_t
 kl_lease_fence(const kl_lease *lease)
 {
-	return lease != NULL ? lease->fence : 0;
+	if (lease == NULL)
+		return 0;
+	if (in_entry(lease_lock(lease)))
+		return kl__entry_fence(lease_entry(lease));
+	return lease->fence;
 }
 
 bool
@@ -289,6 +365,8 @@ kl_lease_valid(const kl_lease *lease)
 
 	if (lease == NULL)
 		return false;
+	if (in_entry(lease_lock(lease)))
+		return true; /* a memory lease is never lost */
 	p = lease->lock->provider;
 	return p->ops.valid == NULL || p->ops.valid(p->impl, lease->handle);
 }
@@ -296,5 +374,9 @@ kl_lease_valid(const kl_lease *lease)
 const char *
 kl_lease_key(const kl_lease *lease)
 {
-	return lease != NULL ? lease->key : NULL;
+	if (lease == NULL)
+		return NULL;
+	if (in_entry(lease_lock(lease)))
+		return kl__entry_key(lease_entry(lease));
+	return lease->key;
 }

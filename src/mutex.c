@@ -30,6 +30,7 @@
 
 #include <string.h>
 
+#include "annotate.h"
 #include "internal.h"
 
 #define QUEUED 1u
@@ -95,9 +96,11 @@ kl_mutex_new(kl_mutex **out, const kl_queue_opts *opts)
 	if ((m = kl__calloc(1, sizeof *m)) == NULL)
 		return KL_ENOMEM;
 	atomic_init(&m->state, 0);
+	KL_ANNOTATE_ATOMIC(&m->state);
 	pthread_mutex_init(&m->lock, NULL);
 	kl__waitq_init(&m->q, &m->lock);
 	m->opts = o;
+	KL_ANNOTATE_ATOMIC(&m->opts.flags);
 	*out = m;
 	return KL_OK;
 }
@@ -168,6 +171,7 @@ take_or_mark(kl_mutex *m, uint64_t id)
 				    (s & QUEUED) | id << OWNER_SHIFT,
 				    memory_order_acquire, memory_order_relaxed)) {
 				m->owner_tid = kl__thread_id();
+				KL_ANNOTATE_HAPPENS_AFTER(&m->state);
 				return KL_OK;
 			}
 			continue;
@@ -190,6 +194,7 @@ pass_on(kl_mutex *m)
 	struct kl__waiter *w = kl__waitq_grant_head(&m->q);
 	uint64_t queued = m->q.len != 0 ? QUEUED : 0;
 
+	KL_ANNOTATE_HAPPENS_BEFORE(&m->state);
 	if (w == NULL) {
 		atomic_store_explicit(&m->state, 0, memory_order_release);
 		m->owner_tid = 0;
@@ -260,12 +265,13 @@ kl_mutex_enter(kl_mutex *m, int64_t timeout_ms, kl_cancel *c, kl_token *out)
 		memset(out, 0, sizeof *out);
 	if (m == NULL || out == NULL || kl__check_timeout(timeout_ms) != KL_OK)
 		return KL_EINVAL;
-	if (kl_cancel_fired(c))
+	if (c != NULL && kl_cancel_fired(c))
 		return KL_ECANCELED;
 	id = kl__next_id();
 	out->start_ns = kl__coarse_now_ns();
 	ec = errorcheck(m);
 	if (!ec && try_take(m, id)) {
+		KL_ANNOTATE_HAPPENS_AFTER(&m->state);
 		out->id = id;
 		return KL_OK;
 	}
@@ -330,6 +336,7 @@ kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 	/* Fast path: nobody queued, or (eventual) a woken waiter already on
 	 * its way.  Release order publishes the critical section to the next
 	 * owner. */
+	KL_ANNOTATE_HAPPENS_BEFORE(&m->state);
 	expected = atomic_load_explicit(&m->state, memory_order_relaxed);
 	while (!abort_pending && !errorcheck(m) &&
 	       expected >> OWNER_SHIFT == t.id &&
@@ -441,3 +448,37 @@ kl_token_elapsed_ms(kl_token t)
 	d = kl__now_ns() - t.start_ns;
 	return d < 0 ? 0 : d / 1000000;
 }
+
+#ifdef KL_TEST_HOOKS
+int
+kl__test_mutex_check(kl_mutex *m)
+{
+	uint64_t s;
+	int rc = KL_OK;
+
+	if (m == NULL)
+		return KL_EINVAL;
+	pthread_mutex_lock(&m->lock);
+	s = atomic_load_explicit(&m->state, memory_order_relaxed);
+	/* A waiter marks QUEUED under the lock before it queues, and only a
+	 * pass_on that finds the queue empty clears it. */
+	if (m->q.len != 0 && (s & QUEUED) == 0) {
+		kl__test_report("kl_mutex: %zu waiters without QUEUED: a "
+				"leave would not hand over",
+				m->q.len);
+		rc = KL_EINVAL;
+	}
+	if (!eventual(m) && (s & WOKEN) != 0) {
+		kl__test_report("kl_mutex: WOKEN in strict FIFO mode");
+		rc = KL_EINVAL;
+	}
+	if (!eventual(m) && m->q.len != 0 && (s >> OWNER_SHIFT) == 0) {
+		kl__test_report("kl_mutex: free with %zu waiters", m->q.len);
+		rc = KL_EINVAL;
+	}
+	if (kl__waitq_check(&m->q, &m->lock, "kl_mutex queue") != KL_OK)
+		rc = KL_EINVAL;
+	pthread_mutex_unlock(&m->lock);
+	return rc;
+}
+#endif

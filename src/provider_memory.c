@@ -109,3 +109,22 @@ kl_memory_provider_queue_size(kl_provider *p, const char *key)
 		return 0;
 	return kl__table_queue_size(p->table, key, strlen(key));
 }
+
+#ifdef KL_TEST_HOOKS
+int
+kl__test_check_invariants(kl_provider *p)
+{
+	if (p == NULL || p->table == NULL) {
+		kl__test_report("not a memory provider");
+		return KL_EINVAL;
+	}
+	return kl__table_check(p->table);
+}
+
+void
+kl__test_table_skew(kl_provider *p, long delta)
+{
+	if (p != NULL && p->table != NULL)
+		kl__table_skew(p->table, delta);
+}
+#endif

@@ -35,6 +35,15 @@ KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
 				size_t len, int64_t deadline_ns, kl_cancel *c,
 				unsigned flags, struct kl__entry **out,
 				uint64_t *fence);
+/* The entry of a held key, for its holder: the key (NUL-terminated), the
+ * holder's fence, and a word the holder may use as it likes until it
+ * releases (lock.c keeps the lease of kl_lock_acquire there, so that a held
+ * key costs one allocation).  kl__entry_of_lock is the inverse of
+ * kl__entry_lock. */
+KL_HIDDEN const char *kl__entry_key(const struct kl__entry *e);
+KL_HIDDEN uint64_t kl__entry_fence(const struct kl__entry *e);
+KL_HIDDEN kl_lock **kl__entry_lock(struct kl__entry *e);
+KL_HIDDEN struct kl__entry *kl__entry_of_lock(kl_lock **word);
 /* Hands the key to the next waiter, or frees the entry when none waits. */
 KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
 KL_HIDDEN size_t kl__table_size(struct kl__table *t);
@@ -46,5 +55,16 @@ KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
 /* Waiters queued on key (0 when the key has no entry). */
 KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
 				      size_t len);
+
+#ifdef KL_TEST_HOOKS
+/* Checks every shard of t under its lock: bucket array shape, each entry in
+ * its hash's shard and bucket, its hash matching its key, no key twice,
+ * every entry held and its fence issued, the count matching the chains,
+ * every queue consistent (kl__waitq_check), the spare unlinked.  KL_OK or
+ * KL_EINVAL after reporting to stderr. */
+KL_HIDDEN int kl__table_check(struct kl__table *t);
+/* See kl__test_table_skew. */
+KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
+#endif
 
 #endif /* KL_TABLE_H */

@@ -3,7 +3,7 @@
  * The wait queue: a FIFO of parked threads, each on its own stack, parked
  * on a word of its own and woken one at a time by direct hand-off.
  *
- * Invariants (all under q->lock):
+ * Invariants (all under the queue's lock, w->lock of its waiters):
  * - a waiter is in the list exactly when its state is KL_W_WAITING, and
  *   q->len counts the list;
  * - a waiter's state leaves WAITING once, to GRANTED or DONE, and the thread
@@ -36,6 +36,7 @@
 #include <sys/syscall.h>
 #endif
 
+#include "annotate.h"
 #include "internal.h"
 
 #define W_AWAKE 0u
@@ -172,8 +173,8 @@ ncpu(void)
 void
 kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 {
-	q->lock = lock;
-	q->head = q->tail = NULL;
+	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
+	q->head = NULL;
 	q->len = 0;
 }
 
@@ -187,14 +188,14 @@ kl__overflow_valid(kl_overflow o)
 static void
 unlink_waiter(struct kl__waitq *q, struct kl__waiter *w)
 {
-	if (w->prev != NULL)
+	if (w->next == w) {
+		q->head = NULL;
+	} else {
 		w->prev->next = w->next;
-	else
-		q->head = w->next;
-	if (w->next != NULL)
 		w->next->prev = w->prev;
-	else
-		q->tail = w->prev;
+		if (q->head == w)
+			q->head = w->next;
+	}
 	w->next = w->prev = NULL;
 	q->len--;
 }
@@ -205,6 +206,7 @@ kl__waiter_settle(struct kl__waiter *w)
 	unsigned old;
 
 	KL_YIELD("hand-off");
+	KL_ANNOTATE_HAPPENS_BEFORE(&w->word);
 	old = atomic_exchange_explicit(&w->word, W_SETTLED,
 						memory_order_release);
 
@@ -234,6 +236,7 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->q = NULL;
 	w->lock = lock;
 	atomic_init(&w->word, W_AWAKE);
+	KL_ANNOTATE_ATOMIC(&w->word);
 	w->state = KL_W_INIT;
 	w->status = KL_OK;
 	w->spin = false;
@@ -259,23 +262,20 @@ kl__waiter_finish(struct kl__waiter *w)
 static void
 append(struct kl__waitq *q, struct kl__waiter *w)
 {
+	struct kl__waiter *h = q->head;
+
 	w->q = q;
-	if (w->front) {
-		w->prev = NULL;
-		w->next = q->head;
-		if (q->head != NULL)
-			q->head->prev = w;
-		else
-			q->tail = w;
+	if (h == NULL) {
+		w->next = w->prev = w;
 		q->head = w;
 	} else {
-		w->next = NULL;
-		w->prev = q->tail;
-		if (q->tail != NULL)
-			q->tail->next = w;
-		else
+		/* Before the head is after the tail: a ring. */
+		w->next = h;
+		w->prev = h->prev;
+		h->prev->next = w;
+		h->prev = w;
+		if (w->front)
 			q->head = w;
-		q->tail = w;
 	}
 	q->len++;
 	w->state = KL_W_WAITING;
@@ -321,18 +321,19 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	int oldstate;
 
 	if (w->state == KL_W_DONE) { /* canceled before it could queue */
-		pthread_mutex_unlock(q->lock);
+		pthread_mutex_unlock(w->lock);
 		return w->status;
 	}
 	/* A waiter going back to the head was admitted before: no overflow
 	 * check for it. */
 	if (!w->front && q->len >= max_queue) {
 		if (max_queue == 0 || overflow == KL_OVERFLOW_THIS) {
-			pthread_mutex_unlock(q->lock);
+			pthread_mutex_unlock(w->lock);
 			return KL_EOVERFLOW;
 		}
-		kl__waiter_fail(overflow == KL_OVERFLOW_FIRST ? q->head
-							      : q->tail,
+		kl__waiter_fail(overflow == KL_OVERFLOW_FIRST
+					? q->head
+					: kl__waitq_tail(q),
 				KL_EOVERFLOW);
 	}
 	w->expire_ns = kl__cancel_deadline(w->cancel);
@@ -345,7 +346,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	/* Spin only as the head, and only while the holder and this waiter
 	 * can both run at once. */
 	w->spin = q->len == 1 && ncpu() > 1;
-	pthread_mutex_unlock(q->lock);
+	pthread_mutex_unlock(w->lock);
 
 	/* A waiter is not a cancellation point: being cancelled while parked
 	 * would leave the node linked on a dead stack. */
@@ -381,6 +382,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		}
 		pthread_mutex_unlock(w->lock);
 	}
+	KL_ANNOTATE_HAPPENS_AFTER(&w->word);
 	pthread_setcancelstate(oldstate, NULL);
 	return w->state == KL_W_GRANTED ? KL_OK : w->status;
 }
@@ -410,6 +412,56 @@ kl__waitq_grant_head(struct kl__waitq *q)
 	return NULL;
 }
 
+#ifdef KL_TEST_HOOKS
+int
+kl__waitq_check(const struct kl__waitq *q, const pthread_mutex_t *lock,
+		const char *what)
+{
+	const struct kl__waiter *w = q->head;
+	size_t n = 0;
+
+	if (w == NULL) {
+		if (q->len == 0)
+			return KL_OK;
+		kl__test_report("%s: empty but len %zu", what, q->len);
+		return KL_EINVAL;
+	}
+	do {
+		if (++n > q->len) {
+			kl__test_report("%s: more waiters than len %zu", what,
+					q->len);
+			return KL_EINVAL;
+		}
+		if (w->next == NULL || w->prev == NULL ||
+		    w->next->prev != w || w->prev->next != w) {
+			kl__test_report("%s: waiter %zu badly linked", what,
+					n);
+			return KL_EINVAL;
+		}
+		if (w->q != q || w->lock != lock) {
+			kl__test_report("%s: waiter %zu of another queue or "
+					"lock",
+					what, n);
+			return KL_EINVAL;
+		}
+		if (w->state != KL_W_WAITING ||
+		    atomic_load_explicit(&w->word, memory_order_relaxed) ==
+			    W_SETTLED) {
+			kl__test_report("%s: waiter %zu still queued in state "
+					"%d (granted or failed)",
+					what, n, w->state);
+			return KL_EINVAL;
+		}
+		w = w->next;
+	} while (w != q->head);
+	if (n != q->len) {
+		kl__test_report("%s: %zu waiters, len %zu", what, n, q->len);
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+#endif
+
 void
 kl__waitq_fail_all(struct kl__waitq *q, int status)
 {
@@ -421,7 +473,8 @@ void
 kl__waitq_reduce(struct kl__waitq *q, size_t max_queue, kl_overflow overflow)
 {
 	while (q->len > max_queue)
-		kl__waiter_fail(overflow == KL_OVERFLOW_FIRST ? q->head
-							      : q->tail,
+		kl__waiter_fail(overflow == KL_OVERFLOW_FIRST
+					? q->head
+					: kl__waitq_tail(q),
 				KL_EOVERFLOW);
 }

@@ -880,6 +880,68 @@ START_TEST(test_fence_grows)
 }
 END_TEST
 
+/* A memory provider keeps the lease of a lock without a hook inside the
+ * key's entry, and a hooked lock's lease apart: the key passes between
+ * the two kinds both ways, and each kind keeps its key and fence. */
+START_TEST(test_lease_kinds_hand_off)
+{
+	static const char long_key[] = "a key much longer than sixteen bytes";
+	kl_provider *p = private_provider();
+	kl_lock *plain = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	kl_lease *a = NULL, *b = NULL;
+	char key[32] = "shared-key";
+	kl_call call = { .key = key, .cancel = NULL };
+	struct evlog g;
+	kl_lock *hooked;
+	uint64_t f;
+	struct lw w;
+
+	evlog_init(&g);
+	hooked = lock_make(p, NULL, KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_acquire(plain, &call, &a, NULL), KL_OK);
+	memset(key, 'x', 10); /* the lease keeps its own copy */
+	ck_assert_str_eq(kl_lease_key(a), "shared-key");
+	ck_assert(kl_lease_valid(a));
+	f = kl_lease_fence(a);
+	ck_assert_uint_gt(f, 0);
+	call.key = long_key;
+	ck_assert_int_eq(kl_lock_acquire(plain, &call, &b, NULL), KL_OK);
+	ck_assert_str_eq(kl_lease_key(b), long_key);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 2);
+	kl_lease_release(b);
+
+	/* Plain holder, hooked waiter. */
+	memset(&w, 0, sizeof w);
+	lw_start(&w, hooked, "shared-key", NULL);
+	wait_queue(p, "shared-key", 1);
+	kl_lease_release(a);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 0, KL_EV_ACQUIRED, "shared-key", KL_OK);
+	check_event(&g, 1, KL_EV_RELEASED, "shared-key", KL_OK);
+
+	/* Hooked holder, plain waiter. */
+	call.key = "shared-key";
+	ck_assert_int_eq(kl_lock_acquire(hooked, &call, &a, NULL), KL_OK);
+	ck_assert_str_eq(kl_lease_key(a), "shared-key");
+	ck_assert_uint_ge(kl_lease_fence(a), f + 2);
+	memset(&w, 0, sizeof w);
+	lw_start(&w, plain, "shared-key", NULL);
+	wait_queue(p, "shared-key", 1);
+	kl_lease_release(a);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 3, KL_EV_RELEASED, "shared-key", KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(hooked);
+	kl_lock_free(plain);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* Not reentrant                                                       */
 
@@ -1271,6 +1333,7 @@ lock_suite(void)
 	tcase_add_test(tc, test_run_releases_on_every_path);
 	tcase_add_test(tc, test_release_from_another_thread);
 	tcase_add_test(tc, test_fence_grows);
+	tcase_add_test(tc, test_lease_kinds_hand_off);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("reentry");

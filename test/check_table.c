@@ -1003,6 +1003,81 @@ START_TEST(test_flooding_keys_probes)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Invariant checker (TESTPLAN T06, T29)                               */
+
+START_TEST(test_invariants_hold)
+{
+	struct kl__table *t = table_new();
+	static const char long_key[] = "a key longer than the inline room";
+	struct kl__entry *a, *b, *l;
+	struct tthread w[2];
+
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	ck_assert_int_eq(acquire(t, "a", 1, KL_NO_DEADLINE, &a, NULL), KL_OK);
+	ck_assert_int_eq(acquire(t, "b", 1, KL_NO_DEADLINE, &b, NULL), KL_OK);
+	ck_assert_int_eq(acquire(t, long_key, sizeof long_key - 1,
+				 KL_NO_DEADLINE, &l, NULL),
+			 KL_OK);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* Two waiters queued on a held key. */
+	memset(w, 0, sizeof w);
+	tthread_start(&w[0], t, "a", 1, in_ms(10000));
+	wait_queue(t, "a", 1, 1);
+	tthread_start(&w[1], t, "a", 1, in_ms(10000));
+	wait_queue(t, "a", 1, 2);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, a); /* hand-offs down the queue */
+	tthread_join(&w[0]);
+	tthread_join(&w[1]);
+	ck_assert_int_eq(w[0].rc, KL_OK);
+	ck_assert_int_eq(w[1].rc, KL_OK);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, b);
+	kl__table_release(t, l);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_invariants_broken_detected)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = "k", .cancel = NULL };
+	kl_provider *p;
+	kl_lease *lease;
+	kl_lock *l;
+	kl_mutex *m;
+	kl_token tok;
+
+	ck_assert_int_eq(kl__test_check_invariants(NULL), KL_EINVAL);
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	o.provider = p;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(l, &call, &lease, NULL), KL_OK);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	/* A count that disagrees with the chains (reported on stderr). */
+	kl__test_table_skew(p, 1);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_EINVAL);
+	kl__test_table_skew(p, -1);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(lease);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(l);
+	kl_provider_free(p);
+
+	ck_assert_int_eq(kl_mutex_new(&m, NULL), KL_OK);
+	ck_assert_int_eq(kl__test_mutex_check(m), KL_OK);
+	ck_assert_int_eq(kl_mutex_enter(m, KL_FOREVER, NULL, &tok), KL_OK);
+	ck_assert_int_eq(kl__test_mutex_check(m), KL_OK);
+	ck_assert_int_eq(kl_mutex_leave(m, tok, false), KL_OK);
+	ck_assert_int_eq(kl__test_mutex_check(m), KL_OK);
+	kl_mutex_free(m);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static Suite *
 table_suite(void)
@@ -1049,6 +1124,11 @@ table_suite(void)
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_million_keys_memory);
 	tcase_add_test(tc, test_flooding_keys_probes);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("invariants");
+	tcase_add_test(tc, test_invariants_hold);
+	tcase_add_test(tc, test_invariants_broken_detected);
 	suite_add_tcase(s, tc);
 
 	return s;

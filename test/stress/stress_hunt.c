@@ -21,6 +21,11 @@
  * forever).  It prints the state of every key, event and thread with the
  * seed, and the test fails at once without waiting for the stuck threads.
  *
+ * Every 256 operations each thread runs the library's invariant checkers
+ * (kl__test_check_invariants on the provider, kl__test_mutex_check on a
+ * random key), and once more on everything after the threads stop: a
+ * broken invariant fails the test even where no symptom showed.
+ *
  * Variants: plain, with the library's debug yields (KL_DEBUG_YIELD=1), and
  * with the whole test pinned to one CPU (T28).
  */
@@ -35,6 +40,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "internal.h" /* kl__test_check_invariants, kl__test_mutex_check */
 #include "keylock.h"
 #include "stress.h"
 
@@ -44,6 +50,7 @@
 #define H_EVENTS 4
 #define H_NOMINAL_MS 20000
 #define H_TRIP_NS (2000 * ST_MS)
+#define H_CHECK_EVERY 256 /* operations per thread between checks */
 
 static const int64_t h_timeouts[] = { 0, 1, 10, 100, KL_FOREVER };
 #define H_NTIMEOUTS 5
@@ -99,6 +106,7 @@ struct hunt {
 	struct h_worker w[H_THREADS];
 	atomic_bool stop, wd_stop, trip;
 	atomic_long bad, early, violations, fence_errors, leave_errors;
+	atomic_long invariant_errors;
 	atomic_int exited;
 	char trip_msg[4096];
 	int64_t trip_ns;
@@ -391,14 +399,30 @@ do_event_wait(struct h_worker *w)
 	outcome(w, rc, to, t0, false);
 }
 
+/* The library's invariant checkers, on the provider and one key. */
+static void
+h_check(struct h_worker *w)
+{
+	struct hunt *h = w->h;
+
+	if (kl__test_check_invariants(h->p) != KL_OK)
+		atomic_fetch_add(&h->invariant_errors, 1);
+	if (kl__test_mutex_check(h->keys[st_below(&w->r, H_KEYS)].m) != KL_OK)
+		atomic_fetch_add(&h->invariant_errors, 1);
+}
+
 static void *
 h_main(void *arg)
 {
 	struct h_worker *w = arg;
 	struct hunt *h = w->h;
+	long n = 0;
 
 	while (!atomic_load(&h->stop)) {
 		unsigned dice = (unsigned)st_below(&w->r, 100);
+
+		if (++n % H_CHECK_EVERY == 0)
+			h_check(w);
 
 		if (dice < 30) {
 			do_enter(w);
@@ -681,6 +705,15 @@ hunt_run(const char *name, double share)
 	st_assert(atomic_load(&h.leave_errors) == 0,
 		  "%ld leaves of held keys failed",
 		  atomic_load(&h.leave_errors));
+	/* Idle now: every checker once more. */
+	if (kl__test_check_invariants(h.p) != KL_OK)
+		atomic_fetch_add(&h.invariant_errors, 1);
+	for (int k = 0; k < H_KEYS; k++)
+		if (kl__test_mutex_check(h.keys[k].m) != KL_OK)
+			atomic_fetch_add(&h.invariant_errors, 1);
+	st_assert(atomic_load(&h.invariant_errors) == 0,
+		  "%ld invariant checks failed (see stderr)",
+		  atomic_load(&h.invariant_errors));
 	st_assert(wall <= 2 * nominal + 5000 * st_slow(),
 		  "ran %lld ms for %lld nominal", (long long)wall,
 		  (long long)nominal);

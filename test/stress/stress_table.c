@@ -17,6 +17,10 @@
  * free and hand-off points.
  *
  * (c) The last release racing the only waiter's deadline (see below).
+ *
+ * (a) and (b) also run the library's invariant checker on the provider
+ * (kl__test_check_invariants) every few hundred operations per thread,
+ * while other threads use it, and all three once the provider is idle.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -28,8 +32,12 @@
 #include <string.h>
 #include <time.h>
 
+#include "internal.h" /* kl__test_check_invariants */
 #include "keylock.h"
 #include "stress.h"
+
+/* Operations per thread between two runs of the invariant checker. */
+#define CHECK_EVERY 512
 
 /* ------------------------------------------------------------------ */
 /* T08 (a): distinct keys, bounded live set                            */
@@ -42,7 +50,7 @@ struct t08a {
 	kl_provider *p;
 	kl_lock *l;
 	long ops; /* per thread */
-	atomic_long max_size, errors;
+	atomic_long max_size, errors, invariant_errors;
 	int phase;
 };
 
@@ -78,6 +86,9 @@ t08a_main(void *arg)
 			continue;
 		}
 		live++;
+		if (i % CHECK_EVERY == CHECK_EVERY - 1 &&
+		    kl__test_check_invariants(x->p) != KL_OK)
+			atomic_fetch_add(&x->invariant_errors, 1);
 		size = kl_memory_provider_size(x->p);
 		if ((long)size > atomic_load_explicit(&x->max_size,
 						      memory_order_relaxed))
@@ -136,6 +147,11 @@ START_TEST(test_t08_distinct_keys)
 		  "provider counted %ld keys", atomic_load(&x.max_size));
 	st_assert(kl_memory_provider_size(x.p) == 0,
 		  "provider keeps %zu keys", kl_memory_provider_size(x.p));
+	if (kl__test_check_invariants(x.p) != KL_OK)
+		atomic_fetch_add(&x.invariant_errors, 1);
+	st_assert(atomic_load(&x.invariant_errors) == 0,
+		  "%ld invariant checks failed (see stderr)",
+		  atomic_load(&x.invariant_errors));
 	/* Sanitizers keep freed memory in quarantine: bound plain builds. */
 	if (st_slow() == 1)
 		st_assert(rss1 - rss0 <= 4096, "RSS grew by %ld KiB",
@@ -165,6 +181,7 @@ struct t08b {
 	struct t08b_key keys[T08B_KEYS];
 	long rounds; /* per thread */
 	atomic_long violations, fence_errors, errors, busy;
+	atomic_long invariant_errors;
 };
 
 struct t08b_worker {
@@ -238,6 +255,10 @@ t08b_main(void *arg)
 		t08b_inside(x, k, kl_lease_fence(lease));
 		if (strcmp(kl_lease_key(lease), k->name) != 0)
 			atomic_fetch_add(&x->errors, 1);
+		/* Now and then with a key held (and others queued on it). */
+		if (i % CHECK_EVERY == CHECK_EVERY - 1 &&
+		    kl__test_check_invariants(x->p) != KL_OK)
+			atomic_fetch_add(&x->invariant_errors, 1);
 		w->grants++;
 		kl_lease_release(lease);
 	}
@@ -291,6 +312,11 @@ t08b_run(long rounds)
 	st_assert(grants == inside, "%ld grants, %ld inside", grants, inside);
 	st_assert(kl_memory_provider_size(x.p) == 0,
 		  "provider keeps %zu keys", kl_memory_provider_size(x.p));
+	if (kl__test_check_invariants(x.p) != KL_OK)
+		atomic_fetch_add(&x.invariant_errors, 1);
+	st_assert(atomic_load(&x.invariant_errors) == 0,
+		  "%ld invariant checks failed (see stderr)",
+		  atomic_load(&x.invariant_errors));
 	kl_lock_free(x.forever);
 	kl_lock_free(x.try_once);
 	kl_lock_free(x.timed);
@@ -416,6 +442,8 @@ START_TEST(test_t08_deadline_races_last_release)
 			  "round %ld: provider keeps %zu keys", round,
 			  kl_memory_provider_size(x.p));
 	}
+	st_assert(kl__test_check_invariants(x.p) == KL_OK,
+		  "invariant check failed (see stderr)");
 	st_crew_stop(&crew);
 	st_note("%ld rounds: %ld granted, %ld timed out (%ld before seen "
 		"queued)",
