@@ -49,6 +49,34 @@ struct kl_mutex {
 
 static pthread_mutex_t defaults_lock = PTHREAD_MUTEX_INITIALIZER;
 static kl_queue_opts defaults = KL_QUEUE_OPTS_INIT;
+static pthread_once_t defaults_once = PTHREAD_ONCE_INIT;
+
+/* A child of fork() may create mutexes with the default options, so the
+ * lock around them must not be inherited held: hold it across the fork. */
+static void
+defaults_prepare(void)
+{
+	pthread_mutex_lock(&defaults_lock);
+}
+
+static void
+defaults_parent(void)
+{
+	pthread_mutex_unlock(&defaults_lock);
+}
+
+static void
+defaults_child(void)
+{
+	pthread_mutex_init(&defaults_lock, NULL);
+}
+
+static void
+defaults_init(void)
+{
+	(void)pthread_atfork(defaults_prepare, defaults_parent,
+			     defaults_child);
+}
 
 #define KNOWN_FLAGS (KL_ERRORCHECK | KL_EVENTUAL)
 
@@ -63,6 +91,7 @@ kl_queue_opts_default(kl_queue_opts *out)
 {
 	if (out == NULL)
 		return;
+	pthread_once(&defaults_once, defaults_init);
 	pthread_mutex_lock(&defaults_lock);
 	*out = defaults;
 	pthread_mutex_unlock(&defaults_lock);
@@ -73,6 +102,7 @@ kl_queue_opts_set_default(const kl_queue_opts *in)
 {
 	if (in == NULL || !opts_valid(in))
 		return;
+	pthread_once(&defaults_once, defaults_init);
 	pthread_mutex_lock(&defaults_lock);
 	defaults = *in;
 	pthread_mutex_unlock(&defaults_lock);

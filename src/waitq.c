@@ -88,12 +88,36 @@ static struct {
 static pthread_once_t buckets_once = PTHREAD_ONCE_INIT;
 
 static void
-buckets_init(void)
+buckets_reset(void)
 {
 	for (int i = 0; i < NBUCKETS; i++) {
 		pthread_mutex_init(&buckets[i].lock, NULL);
 		pthread_cond_init(&buckets[i].cond, kl__condattr());
 	}
+}
+
+/* Every object shares these buckets, so a bucket lock that another thread
+ * held at fork() would hang the child's own new objects: hold them all
+ * across the fork, and give the child fresh ones (it has no waiters). */
+static void
+buckets_prepare(void)
+{
+	for (int i = 0; i < NBUCKETS; i++)
+		pthread_mutex_lock(&buckets[i].lock);
+}
+
+static void
+buckets_parent(void)
+{
+	for (int i = NBUCKETS - 1; i >= 0; i--)
+		pthread_mutex_unlock(&buckets[i].lock);
+}
+
+static void
+buckets_init(void)
+{
+	buckets_reset();
+	(void)pthread_atfork(buckets_prepare, buckets_parent, buckets_reset);
 }
 
 static size_t

@@ -6,10 +6,11 @@
  * 4 threads hammer 16 keys, through kl_lock_run on the shared memory
  * provider and through 16 kl_mutex objects, while the test's thread forks
  * 200 times (x KL_TEST_SCALE, at least 10), 20 of them (one in ten) nested:
- * the child forks a grandchild that does the same.  keylock installs no
- * pthread_atfork handlers, so the documented rule (keylock(7), FORK) is: in
- * the child of a multithreaded parent, use only keylock objects made after
- * the fork (a new kl_mutex with explicit options, a new provider from
+ * the child forks a grandchild that does the same.  The documented rule
+ * (keylock(3), Fork) is: in the child of a multithreaded parent, use only
+ * keylock objects made after the fork (a new kl_mutex, with the default
+ * options, whose lock keylock holds across fork, or explicit ones; a new
+ * provider from
  * kl_memory_provider_new, a lock naming that provider), never an object,
  * registry or the shared memory provider inherited from the parent, whose
  * internal locks may have been held by a thread that does not exist in the
@@ -118,6 +119,15 @@ t14_main(void *arg)
 		int k = (int)st_below(&r, T14_KEYS);
 		struct cs_arg a = { x, k };
 
+		if (st_below(&r, 4) == 0) {
+			/* Keeps the lock around the default options busy at
+			 * the forks, which the child's kl_mutex_new(NULL)
+			 * takes. */
+			kl_queue_opts d;
+
+			kl_queue_opts_default(&d);
+			kl_queue_opts_set_default(&d);
+		}
 		if (st_below(&r, 2) == 0) {
 			kl_call call = { .key = x->keys[k], .cancel = NULL };
 			int res = -1;
@@ -194,8 +204,11 @@ child_body(int depth)
 	kl_lease *lease;
 	kl_token t;
 
-	/* Explicit options: NULL would read the process defaults under a
-	 * global lock that a parent thread may have held at the fork. */
+	/* The default options (their lock is held across fork), then
+	 * explicit ones. */
+	if (kl_mutex_new(&m, NULL) != KL_OK)
+		return C_MUTEX_NEW;
+	kl_mutex_free(m);
 	if (kl_mutex_new(&m, &qo) != KL_OK)
 		return C_MUTEX_NEW;
 	if (kl_mutex_enter(m, T14_CHILD_MS, NULL, &t) != KL_OK)
