@@ -69,12 +69,13 @@ struct shard {
 	uint64_t lookups, probes;
 } __attribute__((aligned(64)));
 
+/* No global count of entries: every acquire and release on any key would
+ * write its cache line from every CPU.  kl__table_size sums the shards
+ * with all of them locked at once, which is exact (a sum taken shard by
+ * shard could count a key released in one and another taken in a second
+ * as both live). */
 struct kl__table {
 	struct shard shards[NSHARDS];
-	/* Entries over all shards, exact at every instant (a sum over the
-	 * shards could count a key released in one and another taken in a
-	 * second as both live).  On a cache line of its own. */
-	atomic_size_t size;
 };
 
 int
@@ -88,7 +89,6 @@ kl__table_new(struct kl__table **out)
 	memset(t, 0, sizeof *t);
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_init(&t->shards[i].lock, NULL);
-	atomic_init(&t->size, 0);
 	*out = t;
 	return KL_OK;
 }
@@ -101,7 +101,6 @@ shared_init(void)
 {
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_init(&shared_table.shards[i].lock, NULL);
-	atomic_init(&shared_table.size, 0);
 }
 
 struct kl__table *
@@ -188,7 +187,7 @@ rehash(struct shard *s, size_t n)
 }
 
 static int
-insert(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
+insert(struct shard *s, uint32_t h, const char *key,
        size_t len, struct kl__entry **out)
 {
 	struct kl__entry *e;
@@ -222,13 +221,12 @@ insert(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
 	e->next = s->buckets[b];
 	s->buckets[b] = e;
 	s->count = n + 1;
-	atomic_fetch_add_explicit(&t->size, 1, memory_order_relaxed);
 	*out = e;
 	return KL_OK;
 }
 
 static void
-unlink_entry(struct kl__table *t, struct shard *s, struct kl__entry *e)
+unlink_entry(struct shard *s, struct kl__entry *e)
 {
 	struct kl__entry **pp = &s->buckets[e->hash & s->mask];
 	size_t n = s->count - 1;
@@ -237,7 +235,6 @@ unlink_entry(struct kl__table *t, struct shard *s, struct kl__entry *e)
 		pp = &(*pp)->next;
 	*pp = e->next;
 	s->count = n;
-	atomic_fetch_sub_explicit(&t->size, 1, memory_order_relaxed);
 	/* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard
 	 * whose only key comes and goes keeps its small array instead of
 	 * allocating it on every acquire. */
@@ -253,7 +250,7 @@ take_new(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
 	struct kl__entry *e;
 	int rc;
 
-	if ((rc = insert(t, s, h, key, len, &e)) == KL_OK) {
+	if ((rc = insert(s, h, key, len, &e)) == KL_OK) {
 		*out = e;
 		*fence = e->fence = ++s->fence;
 	}
@@ -403,7 +400,7 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 		wake = kl__waiter_settle(w);
 		e = NULL;
 	} else {
-		unlink_entry(t, s, e);
+		unlink_entry(s, e);
 		if (KEEP_SPARE && e->len < INLINE_KEY && s->spare == NULL) {
 			s->spare = e;
 			e = NULL;
@@ -418,7 +415,15 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 size_t
 kl__table_size(struct kl__table *t)
 {
-	return atomic_load_explicit(&t->size, memory_order_relaxed);
+	size_t n = 0;
+
+	for (int i = 0; i < NSHARDS; i++)
+		pthread_mutex_lock(&t->shards[i].lock);
+	for (int i = 0; i < NSHARDS; i++)
+		n += t->shards[i].count;
+	for (int i = NSHARDS - 1; i >= 0; i--)
+		pthread_mutex_unlock(&t->shards[i].lock);
+	return n;
 }
 
 int
