@@ -761,7 +761,19 @@ redis_release(void *impl, void *lease, kl_error *err)
 	 * inside it. */
 	while (l->in_cb && !pthread_equal(l->cb_thread, pthread_self()))
 		pthread_cond_wait(&r->cv, &r->mu);
-	pthread_mutex_unlock(&r->mu);
+	/* Lost (kl_lease_valid() saw it, or a restart) but not reported yet:
+	 * the renewal thread no longer sees the lease, so report it here,
+	 * before release returns, or it would never be. */
+	if (l->lost && l->lost_fn != NULL && !l->notified) {
+		void (*fn)(void *) = l->lost_fn;
+		void *ctx = l->ctx;
+
+		l->notified = true;
+		pthread_mutex_unlock(&r->mu);
+		fn(ctx);
+	} else {
+		pthread_mutex_unlock(&r->mu);
+	}
 
 	rc = release_key(r, l, &released, err);
 	if (rc == KL_OK && !released) {

@@ -186,12 +186,15 @@ tv_ms(int64_t ms)
 /* KEYS: lock, q, hb, f, own wake list.  ARGV: token, ttl ms, heartbeat ms,
  * mode ("try": never queue; "queue": join or stay in the queue), ms to keep
  * the fence.  Returns {1, fence} when granted (also when the key is already
- * ours: a retry after a lost reply), else {0, rank or -1}. */
+ * ours: a retry after a lost reply), else {0, rank or -1}.  A retry sets
+ * the ttl again: the caller counts the lease from when it sent the retry,
+ * so the key must not expire a ttl after the first, unanswered attempt. */
 static const char script_attempt[] =
 	PRELUDE
 	"local tok, hbms = ARGV[1], tonumber(ARGV[3])\n"
 	"local holder = redis.call('GET', KEYS[1])\n"
 	"if holder == tok then\n"
+	"  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
 	"  return {1, redis.call('GET', KEYS[4]) or '0'}\n"
 	"end\n"
 	"local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
@@ -583,7 +586,15 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 				"run_id or uptime_in_seconds");
 		return KL_EPROVIDER;
 	}
-	c->up_ms = strtoll(buf, NULL, 10) * 1000;
+	/* Redis counts whole seconds of the wall clock between its start
+	 * and now (floor(now) - floor(start)), up to a second more than it
+	 * has really been up: take one off, so that the estimate stays a
+	 * lower bound and the restart guard never ends early. */
+	c->up_ms = strtoll(buf, NULL, 10) * 1000 - 1000;
+	if (c->up_ms < 0)
+		c->up_ms = 0;
+	/* Our clock from after the reply: INFO ran before it. */
+	c->t0_ns = kl__redis_now_ns();
 	if (info_field(r->str, "redis_version", buf, sizeof buf))
 		sscanf(buf, "%ld.%ld", &major, &minor);
 	c->version = (int)(major * 100 + minor);
@@ -656,7 +667,6 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	}
 	redisSetTimeout(c->ctx, tv_ms(conf->timeout_ms));
 	redisEnableKeepAlive(c->ctx);
-	c->t0_ns = kl__redis_now_ns();
 	deadline = kl__redis_deadline(conf->timeout_ms);
 	if (cap_ns < deadline)
 		deadline = cap_ns;

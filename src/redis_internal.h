@@ -90,8 +90,8 @@ struct kl__rconn {
 	redisContext *ctx;
 	pid_t pid;          /* the process that connected */
 	bool broken;        /* failed or timed out: close, never reuse */
-	int64_t up_ms;      /* server uptime when connected (floor) */
-	int64_t t0_ns;      /* our clock when connected */
+	int64_t up_ms;      /* server uptime by its INFO (a lower bound) */
+	int64_t t0_ns;      /* our clock when INFO had answered */
 	bool persistent;    /* appendonly yes and appendfsync always */
 	uint64_t epoch;     /* the provider's count of restarts seen, when
 			     * connected (set by provider_redis.c) */
@@ -125,7 +125,8 @@ KL_RHIDDEN int kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 				const size_t *alens, redisReply **reply,
 				kl_error *err);
 /* The server's uptime in milliseconds now, as estimated from the uptime
- * when c connected and our clock since. */
+ * INFO gave when c connected and our clock since: never more than the
+ * real uptime (INFO's whole seconds may be up to one too many). */
 KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
 
 #endif /* KL_REDIS_INTERNAL_H */

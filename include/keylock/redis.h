@@ -56,6 +56,8 @@
  *                      appendonly yes and appendfsync always.  "0" turns
  *                      the guard off.  A fresh server is not told apart from
  *                      a restarted one: it grants nothing for D either.
+ *                      Redis reports its uptime in whole seconds, so the
+ *                      guard may last up to a second longer than D.
  *   password_file=P    read the password from the file P (see above).
  *
  * Behaviour: strict FIFO per key across every client of the server (a
