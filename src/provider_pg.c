@@ -16,13 +16,19 @@
  * held goes with it.  One more connection (aux) serves kl_provider_status
  * and the setup.
  *
- * Acquiring sends one simple-query string: set lock_timeout to the time
- * left, pg_advisory_lock(id), nextval of the fence sequence (in that order,
- * so a fence is drawn only after the grant and grows with every grant of a
- * key).  The server times the wait out (55P03: not granted, connection
- * still good).  A cancel token is watched by polling the socket in short
- * slices; when it fires, PQcancel asks the server to stop the wait.  The
- * answer settles the outcome: 57014 means the wait ended ungranted (any
+ * Acquiring first tries, with one prepared statement (SETUP_SQL makes it
+ * in the session's first query string): pg_try_advisory_lock(id), and
+ * nextval of the fence sequence only if that took the lock, so a free key
+ * costs one round trip and one statement.  A taken key is then waited for
+ * with one simple-query string: set lock_timeout to the time left (when the
+ * session does not have it yet), then one statement that waits with
+ * pg_advisory_lock(id) and only then draws nextval (so a fence is drawn
+ * only after the grant and grows with every grant of a key).  Releasing is
+ * one prepared statement too.  The server times the wait out (55P03: not
+ * granted, connection still good; any lock the session got is dropped).
+ * A cancel token is watched by polling the socket in short slices; when
+ * it fires, PQcancel asks the server to stop the wait.  The answer
+ * settles the outcome: 57014 means the wait ended ungranted (any
  * lock taken by a later statement is dropped with pg_advisory_unlock_all);
  * a grant that beat the cancel request is undone by closing the
  * connection, since the request may still be pending for it.  So a grant
@@ -83,6 +89,9 @@
 #define SHORT_OP_MS 5000
 
 #define FENCE_SEQUENCE "keylock_fence"
+/* The prepared statements of each pooled session (SETUP_SQL). */
+#define STMT_TRY "keylock_try"
+#define STMT_UNLOCK "keylock_unlock"
 
 #define NO_DEADLINE INT64_MAX
 
@@ -97,6 +106,9 @@ struct conn {
 	struct conn *next; /* in the idle list */
 	pid_t pid;         /* the process that opened it */
 	bool broken;       /* must be closed, not reused */
+	bool prepared;     /* SETUP_SQL has run: the session has
+			      statement_timeout 0 and the statements
+			      STMT_TRY and STMT_UNLOCK */
 	/* The session's settings as the last wait left them, so that the
 	 * next wait sends only what differs: statement_timeout is 0, and
 	 * lock_timeout (ms; -1: unknown). */
@@ -637,7 +649,9 @@ send_cancel(PGconn *pg)
 }
 
 /*
- * Sends sql on c and reads every result into a.  Until the answer comes:
+ * Sends sql on c (or, with stmt, runs the session's prepared statement
+ * stmt with id as its one parameter: no text to parse, no plan to make)
+ * and reads every result into a.  Until the answer comes:
  * when cancel fires, or deadline passes with late == KL_ETIMEDOUT, a
  * cancel request is sent (a->stopped says why) and the answer still
  * awaited, at most SHORT_OP_MS more; when deadline passes with late ==
@@ -647,16 +661,29 @@ send_cancel(PGconn *pg)
  * must be dropped.
  */
 static int
-run(struct pg *p, struct conn *c, const char *sql, int64_t deadline,
-    int late, kl_cancel *cancel, struct answer *a, kl_error *err)
+run_q(struct pg *p, struct conn *c, const char *sql, const char *stmt,
+      int64_t id, int64_t deadline, int late, kl_cancel *cancel,
+      struct answer *a, kl_error *err)
 {
 	PGconn *pg = c->pg;
 	int64_t give_up = NO_DEADLINE, until;
+	char idbuf[24];
+	const char *params[1] = { idbuf };
 	PGresult *r;
-	int rc;
+	int rc, sent;
 
 	memset(a, 0, sizeof *a);
-	if (PQstatus(pg) != CONNECTION_OK || !PQsendQuery(pg, sql)) {
+	sent = 0;
+	if (PQstatus(pg) == CONNECTION_OK) {
+		if (stmt != NULL) {
+			snprintf(idbuf, sizeof idbuf, "%" PRId64, id);
+			sent = PQsendQueryPrepared(pg, stmt, 1, params, NULL,
+						   NULL, 0);
+		} else {
+			sent = PQsendQuery(pg, sql);
+		}
+	}
+	if (!sent) {
 		c->broken = true;
 		return fail(p, err, KL_EPROVIDER, "connection lost: %s",
 			    PQerrorMessage(pg));
@@ -719,20 +746,35 @@ done:
 	return KL_OK;
 }
 
-/* A short query whose failure makes the connection unusable: KL_OK, or
- * KL_EPROVIDER with c->broken set. */
+/* run_q of the text sql. */
 static int
-run_short(struct pg *p, struct conn *c, const char *sql, struct answer *a,
-	  kl_error *err)
+run(struct pg *p, struct conn *c, const char *sql, int64_t deadline,
+    int late, kl_cancel *cancel, struct answer *a, kl_error *err)
 {
-	int rc = run(p, c, sql, deadline_after(SHORT_OP_MS), KL_EPROVIDER,
-		     NULL, a, err);
+	return run_q(p, c, sql, NULL, 0, deadline, late, cancel, a, err);
+}
+
+/* A short query (text sql, or the prepared stmt of id) whose failure makes
+ * the connection unusable: KL_OK, or KL_EPROVIDER with c->broken set. */
+static int
+run_short_q(struct pg *p, struct conn *c, const char *sql, const char *stmt,
+	    int64_t id, struct answer *a, kl_error *err)
+{
+	int rc = run_q(p, c, sql, stmt, id, deadline_after(SHORT_OP_MS),
+		       KL_EPROVIDER, NULL, a, err);
 
 	if (rc == KL_OK && a->failed) {
 		c->broken = true;
 		rc = fail(p, err, KL_EPROVIDER, "%s", a->message);
 	}
 	return rc;
+}
+
+static int
+run_short(struct pg *p, struct conn *c, const char *sql, struct answer *a,
+	  kl_error *err)
+{
+	return run_short_q(p, c, sql, NULL, 0, a, err);
 }
 
 /* Drops every advisory lock of the session; a connection serves one lease
@@ -864,144 +906,222 @@ slot_put(struct pg *p, struct conn *c)
 /* ------------------------------------------------------------------ */
 /* Acquire                                                             */
 
+/* What a failed statement of lock_on means: KL_EPROVIDER, with c->broken
+ * set (a lock it may hold goes with it). */
+static int
+lock_error(struct pg *p, struct conn *c, const struct answer *a,
+	   kl_error *err)
+{
+	c->broken = true;
+	if (strcmp(a->sqlstate, "42P01") == 0)
+		return fail(p, err, KL_EPROVIDER,
+			    "the fence sequence " FENCE_SEQUENCE
+			    " is missing: %s",
+			    a->message);
+	return fail(p, err, KL_EPROVIDER, "%s%s%s", a->message,
+		    a->sqlstate[0] != '\0' ? " SQLSTATE " : "", a->sqlstate);
+}
+
 /*
- * Waits on c for lock id until deadline (NO_DEADLINE: forever; past: try
- * once) or cancel.  KL_OK with *fence; KL_ETIMEDOUT, KL_ECANCELED with c
- * holding no lock; KL_EPROVIDER.  c->broken is set when c must be closed
- * (which drops any lock it holds).
+ * What a new session runs, once, in front of its first STMT_TRY (in the
+ * same query string: no round trip of its own): statement_timeout 0 (a
+ * server default must not cut a wait the caller allowed) and two prepared
+ * statements (SQL PREPARE makes them for PQsendQueryPrepared too), so that
+ * an uncontended acquire and a release are then one statement each, bound
+ * and run without being parsed again.  STMT_TRY takes the lock only if it
+ * is free (pg_try_advisory_lock does not barge past queued waiters) and,
+ * in the same statement, draws a fence only once it has it (CASE);
+ * STMT_UNLOCK releases.
+ */
+#define TRY_SQL(id)                                                          \
+	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(" id ") THEN "     \
+	"pg_catalog.nextval('" FENCE_SEQUENCE "') END"
+#define SETUP_SQL                                                            \
+	"SET statement_timeout = 0; PREPARE " STMT_TRY "(bigint) AS "        \
+	TRY_SQL("$1") "; PREPARE " STMT_UNLOCK "(bigint) AS SELECT "         \
+	"pg_catalog.pg_advisory_unlock($1)::int; "
+
+/* lock_answer: the try found the key taken (not a KL_* status). */
+#define NOT_GRANTED 1
+
+/*
+ * Settles the answer a to STMT_TRY or to a wait, rc being what run_q
+ * returned.  KL_OK with *fence; NOT_GRANTED: the try found the key taken;
+ * KL_ETIMEDOUT, KL_ECANCELED with c holding no lock; KL_EPROVIDER.
+ * c->broken is set when c must be closed (which drops any lock it holds).
  */
 static int
-lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
-	kl_cancel *cancel, uint64_t *fence, kl_error *err)
+lock_answer(struct pg *p, struct conn *c, int rc, const struct answer *a,
+	    kl_cancel *cancel, uint64_t *fence, kl_error *err)
 {
-	struct answer a;
-	char sql[320], set[96];
-	int64_t left_ms = 0, client_deadline;
-	int late, rc;
-	bool try_once;
-
-	if (kl_cancel_fired(cancel))
-		return fail(p, err, KL_ECANCELED, NULL);
-	try_once = deadline != NO_DEADLINE && deadline <= now_ns();
-	if (try_once) {
-		/* pg_try_advisory_lock does not barge past queued
-		 * waiters; CASE draws a fence only after a grant. */
-		snprintf(sql, sizeof sql,
-			 "SELECT CASE WHEN pg_catalog.pg_try_advisory_lock"
-			 "(%" PRId64 ") THEN pg_catalog.nextval('"
-			 FENCE_SEQUENCE "') END",
-			 id);
-		client_deadline = deadline_after(SHORT_OP_MS);
-		late = KL_EPROVIDER;
-	} else {
-		/* The server times the wait out with lock_timeout (ms, an
-		 * int, 0 = none).  Past INT_MAX ms it waits without limit
-		 * and the client cancels at the deadline instead. */
-		left_ms = deadline == NO_DEADLINE
-				  ? 0
-				  : (deadline - now_ns() + 999999) / 1000000;
-		if (left_ms < 1 && deadline != NO_DEADLINE)
-			left_ms = 1;
-		if (left_ms > INT_MAX) {
-			left_ms = 0;
-			client_deadline = deadline;
-			late = KL_ETIMEDOUT;
-		} else if (left_ms == 0) {
-			client_deadline = NO_DEADLINE;
-			late = KL_EPROVIDER;
-		} else {
-			client_deadline =
-				deadline + ANSWER_GRACE_MS * 1000000LL;
-			late = KL_EPROVIDER;
-		}
-		/* One round trip, one implicit transaction: the fence is
-		 * drawn only once the lock is granted, and not at all when
-		 * the wait fails.  statement_timeout 0: a server default
-		 * must not cut a wait the caller allowed.  The settings are
-		 * sent only when the session may not have them yet: each
-		 * SET is a statement of its own, and skipping them makes
-		 * an uncontended acquire about a tenth faster. */
-		set[0] = '\0';
-		if (!c->no_statement_timeout)
-			append(set, sizeof set, "SET statement_timeout = 0; ");
-		if (c->lock_timeout_ms != left_ms)
-			snprintf(set + strlen(set), sizeof set - strlen(set),
-				 "SET lock_timeout = %" PRId64 "; ", left_ms);
-		snprintf(sql, sizeof sql,
-			 "%sSELECT pg_catalog.pg_advisory_lock(%" PRId64 "); "
-			 "SELECT pg_catalog.nextval('" FENCE_SEQUENCE "')",
-			 set, id);
-	}
-	rc = run(p, c, sql, client_deadline, late, cancel, &a, err);
-	if (!try_once) {
-		/* A failed statement rolls the implicit transaction back,
-		 * SETs included: then the settings are unknown. */
-		bool ok = rc == KL_OK && !a.failed && a.stopped == 0;
-
-		c->no_statement_timeout = ok;
-		c->lock_timeout_ms = ok ? left_ms : -1;
-	}
 	if (rc != KL_OK) {
 		/* The connection goes, and any lock with it; a wait we had
 		 * asked to stop ends as we asked. */
-		if (a.stopped != 0)
-			return fail(p, err, a.stopped, NULL);
+		if (a->stopped != 0)
+			return fail(p, err, a->stopped, NULL);
 		return rc;
 	}
-	if (a.failed) {
-		if (a.stopped != 0 && strcmp(a.sqlstate, "57014") == 0) {
+	if (a->failed) {
+		if (a->stopped != 0 && strcmp(a->sqlstate, "57014") == 0) {
 			/* Our cancel request ended the query.  It may have
 			 * hit nextval after a grant: drop what the session
 			 * holds. */
 			unlock_all(p, c);
-			return fail(p, err, a.stopped, NULL);
+			return fail(p, err, a->stopped, NULL);
 		}
-		if (a.stopped != 0) {
+		if (a->stopped != 0) {
 			/* The cancel request may still be pending. */
 			c->broken = true;
-			return fail(p, err, a.stopped, NULL);
+			return fail(p, err, a->stopped, NULL);
 		}
-		if (strcmp(a.sqlstate, "55P03") == 0) {
-			/* lock_timeout: the lock statement failed, so no
-			 * lock; the implicit transaction rolled back. */
+		if (strcmp(a->sqlstate, "55P03") == 0) {
+			/* lock_timeout.  Mostly the advisory lock's wait;
+			 * but nextval may have waited too (for a lock on
+			 * the sequence) after the grant, and a session lock
+			 * outlives its failed transaction: drop what the
+			 * session holds, which can only be this key. */
 			if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
 				c->broken = true;
+			else
+				unlock_all(p, c);
 			return fail(p, err, KL_ETIMEDOUT, NULL);
 		}
-		c->broken = true;
-		if (strcmp(a.sqlstate, "42P01") == 0)
-			return fail(p, err, KL_EPROVIDER,
-				    "the fence sequence " FENCE_SEQUENCE
-				    " is missing: %s",
-				    a.message);
-		return fail(p, err, KL_EPROVIDER, "%s%s%s", a.message,
-			    a.sqlstate[0] != '\0' ? " SQLSTATE " : "",
-			    a.sqlstate);
+		return lock_error(p, c, a, err);
 	}
-	if (a.nvals < 1) {
+	if (a->nvals < 1) {
 		c->broken = true;
 		return fail(p, err, KL_EPROVIDER, "unexpected answer");
 	}
-	if (a.null[0]) {
-		/* pg_try_advisory_lock said no. */
-		return a.stopped != 0 ? fail(p, err, a.stopped, NULL)
-				      : fail(p, err, KL_ETIMEDOUT, NULL);
-	}
-	if (a.stopped != 0) {
-		/* Granted before our cancel request arrived; the request
-		 * may still be pending, so the connection goes, and the
-		 * lock with it. */
+	if (a->stopped != 0) {
+		/* Answered (granted or not) before our cancel request
+		 * arrived; the request may still be pending, so the
+		 * connection goes, and any lock with it. */
 		c->broken = true;
-		return fail(p, err, a.stopped, NULL);
+		return fail(p, err, a->stopped, NULL);
 	}
+	if (a->null[0])
+		return NOT_GRANTED; /* pg_try_advisory_lock said no */
 	if (kl_cancel_fired(cancel)) {
 		/* Fired while the grant was on its way: once
 		 * kl_cancel_fire has returned, no later grant. */
 		unlock_all(p, c);
 		return fail(p, err, KL_ECANCELED, NULL);
 	}
-	*fence = (uint64_t)a.val[0];
+	*fence = (uint64_t)a->val[0];
 	return KL_OK;
+}
+
+/*
+ * Waits on c for lock id until deadline (NO_DEADLINE: forever; past: try
+ * once) or cancel.  KL_OK with *fence; KL_ETIMEDOUT, KL_ECANCELED with c
+ * holding no lock; KL_EPROVIDER.  c->broken is set when c must be closed
+ * (which drops any lock it holds).
+ *
+ * First STMT_TRY: a key nobody holds or waits for costs one round trip and
+ * one statement, and no setting.  Only when it is taken does the wait
+ * follow, as one simple-query string.
+ */
+static int
+lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
+	kl_cancel *cancel, uint64_t *fence, kl_error *err)
+{
+	struct answer a;
+	char sql[640], set[96];
+	int64_t left_ms, client_deadline;
+	int late, rc;
+	bool try_once, setup, sent_st, sent_lt, ok;
+
+	if (kl_cancel_fired(cancel))
+		return fail(p, err, KL_ECANCELED, NULL);
+	try_once = deadline != NO_DEADLINE && deadline <= now_ns();
+	if ((setup = !c->prepared)) {
+		snprintf(sql, sizeof sql, SETUP_SQL TRY_SQL("%" PRId64), id);
+		rc = run(p, c, sql, deadline_after(SHORT_OP_MS), KL_EPROVIDER,
+			 cancel, &a, err);
+		if (rc == KL_OK && !a.failed && a.stopped == 0) {
+			c->prepared = true;
+			c->no_statement_timeout = true;
+		}
+	} else {
+		rc = run_q(p, c, NULL, STMT_TRY, id,
+			   deadline_after(SHORT_OP_MS), KL_EPROVIDER, cancel,
+			   &a, err);
+	}
+	rc = lock_answer(p, c, rc, &a, cancel, fence, err);
+	/* A PREPARE is not undone with its failed transaction: a session
+	 * whose setup did not complete is not used again. */
+	if (setup && !c->prepared)
+		c->broken = true;
+	if (rc == KL_ETIMEDOUT) {
+		/* The lock_timeout an earlier wait left (or a server
+		 * default) cut nextval short: the sequence was locked.  The
+		 * key was dropped; not the caller's timeout: wait as for a
+		 * taken key. */
+		rc = c->broken ? fail(p, err, KL_EPROVIDER,
+				      "the fence sequence " FENCE_SEQUENCE
+				      " is locked (lock_timeout)")
+			       : NOT_GRANTED;
+	}
+	if (rc != NOT_GRANTED)
+		return rc;
+	if (try_once)
+		return fail(p, err, KL_ETIMEDOUT, NULL);
+	if (kl_cancel_fired(cancel))
+		return fail(p, err, KL_ECANCELED, NULL);
+
+	/* The server times the wait out with lock_timeout (ms, an int, 0 =
+	 * none).  Past INT_MAX ms it waits without limit and the client
+	 * cancels at the deadline instead. */
+	left_ms = deadline == NO_DEADLINE
+			  ? 0
+			  : (deadline - now_ns() + 999999) / 1000000;
+	if (left_ms < 1 && deadline != NO_DEADLINE)
+		left_ms = 1;
+	if (left_ms > INT_MAX) {
+		left_ms = 0;
+		client_deadline = deadline;
+		late = KL_ETIMEDOUT;
+	} else if (left_ms == 0) {
+		client_deadline = NO_DEADLINE;
+		late = KL_EPROVIDER;
+	} else {
+		client_deadline = deadline + ANSWER_GRACE_MS * 1000000LL;
+		late = KL_EPROVIDER;
+	}
+	/* One round trip, one implicit transaction, one statement for the
+	 * lock and the fence: the CTE (never inlined: it calls a volatile
+	 * function) is read before nextval runs, so the fence is drawn only
+	 * once the lock is granted, and not at all when the wait fails.  A
+	 * SET, a statement of its own, is sent only when the session may
+	 * not have that value yet. */
+	sent_st = !c->no_statement_timeout;
+	sent_lt = c->lock_timeout_ms != left_ms;
+	set[0] = '\0';
+	if (sent_st)
+		append(set, sizeof set, "SET statement_timeout = 0; ");
+	if (sent_lt)
+		snprintf(set + strlen(set), sizeof set - strlen(set),
+			 "SET lock_timeout = %" PRId64 "; ", left_ms);
+	snprintf(sql, sizeof sql,
+		 "%sWITH l AS (SELECT pg_catalog.pg_advisory_lock(%" PRId64
+		 ")) SELECT pg_catalog.nextval('" FENCE_SEQUENCE "') FROM l",
+		 set, id);
+	rc = run(p, c, sql, client_deadline, late, cancel, &a, err);
+	/* A failed statement rolls the implicit transaction back, and the
+	 * SETs sent in it: those settings are then unknown.  Those of
+	 * earlier transactions stay. */
+	ok = rc == KL_OK && !a.failed && a.stopped == 0;
+	if (sent_st)
+		c->no_statement_timeout = ok;
+	if (sent_lt)
+		c->lock_timeout_ms = ok ? left_ms : -1;
+	rc = lock_answer(p, c, rc, &a, cancel, fence, err);
+	if (rc == NOT_GRANTED) {
+		/* nextval is never NULL. */
+		c->broken = true;
+		rc = fail(p, err, KL_EPROVIDER, "unexpected answer");
+	}
+	return rc;
 }
 
 static bool
@@ -1106,7 +1226,7 @@ pg_release(void *impl, void *handle, kl_error *err)
 	struct pg_lease *l = handle;
 	struct conn *c = l->conn;
 	struct answer a;
-	char sql[96], why[sizeof l->why];
+	char why[sizeof l->why];
 	bool lost, in_callback;
 	int rc;
 
@@ -1136,11 +1256,9 @@ pg_release(void *impl, void *handle, kl_error *err)
 		rc = fail(p, err, KL_EPROVIDER,
 			  "the lease belongs to the parent process (fork)");
 	} else {
-		snprintf(sql, sizeof sql,
-			 "SELECT pg_catalog.pg_advisory_unlock(%" PRId64
-			 ")::int",
-			 l->id);
-		rc = run_short(p, c, sql, &a, err);
+		/* lock_on readied the session (SETUP_SQL): one
+		 * prepared statement. */
+		rc = run_short_q(p, c, NULL, STMT_UNLOCK, l->id, &a, err);
 		if (rc == KL_OK && (a.nvals < 1 || a.null[0])) {
 			c->broken = true;
 			rc = fail(p, err, KL_EPROVIDER, "unexpected answer");
