@@ -62,6 +62,9 @@
 
 #define PROG "keylock-bench"
 
+/* tools/bench_provider.c: "keylock-bench provider --uri URI ...". */
+int kl_bench_provider_main(int argc, char **argv);
+
 #define EXIT_MISS 1   /* --strict and a target was missed */
 #define EXIT_BROKEN 2 /* an invariant broke, a call or the plot failed */
 #define EXIT_USAGE 64
@@ -2255,6 +2258,9 @@ usage(void)
 	       "  -s, --strict         exit 1 when a target is missed\n"
 	       "  -h, --help           show this help and exit\n"
 	       "  -V, --version        show the version and exit\n\n"
+	       "keylock-bench provider --uri URI [--json] [--quick] "
+	       "measures a Redis or\nPostgreSQL provider (see "
+	       "'keylock-bench provider --help').\n\n"
 	       "Exit status: 0 done, 1 a target missed with --strict, 2 a "
 	       "lock invariant\nbroke, a call failed or the plot could not be "
 	       "written, 64 usage error.\n",
@@ -2404,6 +2410,8 @@ main(int argc, char **argv)
 	bool broken, missed = false, plot_failed = false;
 	int rc;
 
+	if (argc > 1 && strcmp(argv[1], "provider") == 0)
+		return kl_bench_provider_main(argc - 1, argv + 1);
 	parse_options(argc, argv);
 	progress_on = isatty(STDERR_FILENO);
 	read_load(load_before, sizeof load_before);
