@@ -17,6 +17,7 @@
 #include <pthread.h>
 
 #include "internal.h"
+#include "annotate.h"
 
 struct kl_cancel {
 	pthread_mutex_t lock;
@@ -34,6 +35,7 @@ cancel_make(kl_cancel **out, int64_t deadline_ns)
 		return KL_ENOMEM;
 	pthread_mutex_init(&c->lock, NULL);
 	atomic_init(&c->fired, false);
+	KL_ANNOTATE_ATOMIC(&c->fired);
 	c->deadline_ns = deadline_ns;
 	*out = c;
 	return KL_OK;
