@@ -106,6 +106,11 @@ struct redis {
 	int64_t max_ttl_ms; /* longest ttl used: the automatic restart guard */
 	struct lease *leases;
 	bool stopping;
+	/* While the renewal thread sleeps: when it wakes by itself
+	 * (KL_R_NO_DEADLINE: only when signalled); 0 while it runs, and so
+	 * will look at every lease before it sleeps again.  A new lease due
+	 * before then must wake it, any other need not. */
+	int64_t sleep_until;
 };
 
 /* ------------------------------------------------------------------ */
@@ -298,12 +303,14 @@ conn_get(struct redis *r, int64_t cap_ns, struct kl__rconn **out,
 	return conn_new(r, cap_ns, out, err);
 }
 
+/* c came from conn_get or conn_new in this very call of the provider, so
+ * in this process: no getpid() needed to tell a parent's connection. */
 static void
 conn_put(struct redis *r, struct kl__rconn *c)
 {
 	if (c == NULL)
 		return;
-	if (!c->broken && c->pid == getpid()) {
+	if (!c->broken) {
 		pthread_mutex_lock(&r->mu);
 		if (r->nidle < r->conf.pool) {
 			r->idle[r->nidle++] = c;
@@ -380,12 +387,14 @@ num(char *buf, size_t size, int64_t v)
 	return (size_t)snprintf(buf, size, "%" PRId64, v);
 }
 
-/* One attempt.  *granted and *fence on KL_OK; *sent_ns is when it was
- * sent (a grant's ttl runs from no earlier than that). */
+/* One attempt; queued when the caller may have joined the queue before
+ * (the script then also clears its heartbeat and wake list on a fast-path
+ * grant).  *granted and *fence on KL_OK; *sent_ns is when it was sent (a
+ * grant's ttl runs from no earlier than that). */
 static int
 attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
-	int64_t deadline, bool *granted, uint64_t *fence, int64_t *sent_ns,
-	kl_error *err)
+	bool queued, int64_t deadline, bool *granted, uint64_t *fence,
+	int64_t *sent_ns, kl_error *err)
 {
 	char ttl[24], hb[24], keep[24];
 	const char *args[5];
@@ -400,7 +409,7 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 	alens[1] = num(ttl, sizeof ttl, l->ttl_ms);
 	args[2] = hb;
 	alens[2] = num(hb, sizeof hb, r->conf.heartbeat_ms);
-	args[3] = try_only ? "try" : "queue";
+	args[3] = try_only ? "try" : queued ? "wait" : "join";
 	alens[3] = strlen(args[3]);
 	args[4] = keep;
 	alens[4] = num(keep, sizeof keep, FENCE_KEEP_MS);
@@ -606,8 +615,9 @@ wait_queued(struct redis *r, struct kl__rconn **cp, struct lease *l,
 		now = kl__redis_now_ns();
 		if (!woke && now < next_check)
 			continue;
-		rc = attempt(r, *cp, l, false, cmd_deadline(r, deadline, 0),
-			     &granted, fence, sent_ns, err);
+		rc = attempt(r, *cp, l, false, true,
+			     cmd_deadline(r, deadline, 0), &granted, fence,
+			     sent_ns, err);
 		if (rc != KL_OK && !(*cp)->broken)
 			return rc;
 		if (rc != KL_OK) {
@@ -638,7 +648,7 @@ first_attempt(struct redis *r, struct kl__rconn **cp, struct lease *l,
 		rc = check_guard(r, *cp, l->ttl_ms, err);
 		if (rc != KL_OK)
 			return rc;
-		rc = attempt(r, *cp, l, try_only,
+		rc = attempt(r, *cp, l, try_only, tries > 0,
 			     try_only ? cmd_deadline(r, KL_R_NO_DEADLINE, 0)
 				      : cmd_deadline(r, deadline, 0),
 			     granted, fence, sent_ns, err);
@@ -739,7 +749,8 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	if (l->epoch < r->epoch)
 		l->lost = true; /* the server restarted just after the grant */
 	lease_link(r, l);
-	pthread_cond_broadcast(&r->cv);
+	if (l->lost || l->renew_at < r->sleep_until)
+		pthread_cond_broadcast(&r->cv);
 	pthread_mutex_unlock(&r->mu);
 	*out = l;
 	return KL_OK;
@@ -986,6 +997,7 @@ renewer(void *arg)
 			lease_unref(due);
 			continue;
 		}
+		r->sleep_until = next;
 		if (next == KL_R_NO_DEADLINE) {
 			pthread_cond_wait(&r->cv, &r->mu);
 		} else {
@@ -994,6 +1006,7 @@ renewer(void *arg)
 			set_abs(&ts, next);
 			pthread_cond_timedwait(&r->cv, &r->mu, &ts);
 		}
+		r->sleep_until = 0;
 	}
 	pthread_mutex_unlock(&r->mu);
 	return NULL;

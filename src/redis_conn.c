@@ -183,15 +183,45 @@ tv_ms(int64_t ms)
 	"  end\n"                                                          \
 	"end\n"
 
+/* The next fence of KEYS[4], from the TIME reply t, stored with ARGV[5]
+ * ms to live: max(last + 1, server time in microseconds). */
+#define NEXT_FENCE                                                         \
+	"  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1\n"  \
+	"  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"           \
+	"  if us > fence then fence = us end\n"                              \
+	"  fence = string.format('%.0f', fence)\n"                           \
+	"  redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"
+
 /* KEYS: lock, q, hb, f, own wake list.  ARGV: token, ttl ms, heartbeat ms,
- * mode ("try": never queue; "queue": join or stay in the queue), ms to keep
- * the fence.  Returns {1, fence} when granted (also when the key is already
- * ours: a retry after a lost reply), else {0, rank or -1}.  A retry sets
- * the ttl again: the caller counts the lease from when it sent the retry,
- * so the key must not expire a ttl after the first, unanswered attempt. */
+ * mode ("try": never queue; "join": join the queue, a first attempt;
+ * "wait": stay in the queue, the caller may have joined it before), ms to
+ * keep the fence.  Returns {1, fence} when granted (also when the key is
+ * already ours: a retry after a lost reply), else {0, rank or -1}.  A
+ * retry sets the ttl again: the caller counts the lease from when it sent
+ * the retry, so the key must not expire a ttl after the first, unanswered
+ * attempt.
+ *
+ * Fast path, the uncontended case: no queue key means nobody waits (Redis
+ * deletes a queue emptied by its last ZREM, and a queue that expired had
+ * only dead waiters), so a free key is granted by SET NX at once, without
+ * the queue, heartbeat and wake keys: EXISTS, SET NX, TIME and the fence's
+ * GET and SET.  Only a "wait" caller (its queue expired meanwhile) also
+ * drops its heartbeat and wake list.  Anything else (held, ours already, a
+ * queue) takes the full way below. */
 static const char script_attempt[] =
+	"local tok = ARGV[1]\n"
+	"if redis.call('EXISTS', KEYS[2]) == 0 and\n"
+	"   redis.call('SET', KEYS[1], tok, 'NX', 'PX', ARGV[2]) then\n"
+	"  local t = redis.call('TIME')\n"
+	NEXT_FENCE
+	"  if ARGV[4] == 'wait' then\n"
+	"    redis.call('HDEL', KEYS[3], tok)\n"
+	"    redis.call('DEL', KEYS[5])\n"
+	"  end\n"
+	"  return {1, fence}\n"
+	"end\n"
 	PRELUDE
-	"local tok, hbms = ARGV[1], tonumber(ARGV[3])\n"
+	"local hbms = tonumber(ARGV[3])\n"
 	"local holder = redis.call('GET', KEYS[1])\n"
 	"if holder == tok then\n"
 	"  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
@@ -199,11 +229,7 @@ static const char script_attempt[] =
 	"end\n"
 	"local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
 	"if not holder and (not h or h == tok) then\n"
-	"  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1\n"
-	"  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"
-	"  if us > fence then fence = us end\n"
-	"  fence = string.format('%.0f', fence)\n"
-	"  redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"
+	NEXT_FENCE
 	"  redis.call('SET', KEYS[1], tok, 'PX', ARGV[2])\n"
 	"  redis.call('ZREM', KEYS[2], tok)\n"
 	"  redis.call('HDEL', KEYS[3], tok)\n"
@@ -228,11 +254,13 @@ static const char script_attempt[] =
 	"return {0, redis.call('ZRANK', KEYS[2], tok)}\n";
 
 /* KEYS: lock, q, hb.  ARGV: token, heartbeat ms.  Deletes the key only if
- * the token holds it and wakes the next waiter; returns 1, else 0. */
+ * the token holds it and wakes the next waiter; returns 1, else 0.  With
+ * no queue key nobody waits: GET, DEL and EXISTS, no wake-up work. */
 static const char script_release[] =
-	PRELUDE
 	"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end\n"
 	"redis.call('DEL', KEYS[1])\n"
+	"if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end\n"
+	PRELUDE
 	"local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
 	"if h then wake(KEYS[1], h, tonumber(ARGV[2]) * 2) end\n"
 	"return 1\n";
