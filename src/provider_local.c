@@ -81,7 +81,8 @@ static pthread_once_t crash_once = PTHREAD_ONCE_INIT;
 static void
 crash_init(void)
 {
-	crash_at = getenv("KL_CRASH_AT");
+	/* Read once, under pthread_once, in test builds only. */
+	crash_at = getenv("KL_CRASH_AT"); /* NOLINT(concurrency-mt-unsafe) */
 }
 
 static void
