@@ -96,19 +96,31 @@ kl__test_report(const char *fmt, ...)
 	va_end(ap);
 }
 
+/* Bytes asked for since the last kl__test_alloc_bytes call: how a test
+ * proves that a huge key is copied once, not once per layer. */
+static atomic_size_t alloc_bytes;
+
+size_t
+kl__test_alloc_bytes(void)
+{
+	return atomic_exchange_explicit(&alloc_bytes, 0, memory_order_relaxed);
+}
+
 static bool
-should_fail(void)
+should_fail(size_t bytes)
 {
 	long n = atomic_fetch_add_explicit(&alloc_count, 1,
 					   memory_order_relaxed) + 1;
 	long k = atomic_load_explicit(&fail_at, memory_order_relaxed);
 
+	atomic_fetch_add_explicit(&alloc_bytes, bytes, memory_order_relaxed);
 	return k > 0 && n == k;
 }
 #else
 static inline bool
-should_fail(void)
+should_fail(size_t bytes)
 {
+	(void)bytes;
 	return false;
 }
 #endif
@@ -116,13 +128,13 @@ should_fail(void)
 void *
 kl__malloc(size_t n)
 {
-	return should_fail() ? NULL : malloc(n);
+	return should_fail(n) ? NULL : malloc(n);
 }
 
 void *
 kl__calloc(size_t n, size_t size)
 {
-	return should_fail() ? NULL : calloc(n, size);
+	return should_fail(n * size) ? NULL : calloc(n, size);
 }
 
 void *
@@ -130,7 +142,7 @@ kl__aligned_alloc(size_t align, size_t n)
 {
 	void *p;
 
-	if (should_fail() || posix_memalign(&p, align, n) != 0)
+	if (should_fail(n) || posix_memalign(&p, align, n) != 0)
 		return NULL;
 	return p;
 }

@@ -250,6 +250,8 @@ KL_API void kl__test_yield(const char *where);
 /* Fail the k-th allocation from now (1 = the next); 0 disables.  Returns
  * how many allocations were made since the last call. */
 KL_API long kl__test_fail_alloc_at(long k);
+/* Bytes the library asked to allocate since the last call. */
+KL_API size_t kl__test_alloc_bytes(void);
 KL_API void kl__test_set_hash_seed(uint64_t k0, uint64_t k1);
 
 /* Invariant checkers (TESTPLAN T06, T29): each takes the locks of what it

@@ -26,6 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "internal.h" /* kl__test_alloc_bytes only */
 #include "keylock.h"
 #include "util.h"
 
@@ -64,6 +65,106 @@ run_once(kl_provider *p, const char *key)
 		return 1; /* no KL_* value: fn did not run as it should */
 	return rc;
 }
+
+/* ------------------------------------------------------------------ */
+/* Keys of any size and any bytes (TESTPLAN T18)                       */
+
+/* What the thread with a small stack saw, for the test thread to assert
+ * (only it may call ck_assert). */
+struct t18 {
+	size_t len;
+	int new_rc, acquire_rc, second_rc;
+	bool key_same;
+	size_t held, after;
+	size_t copied; /* bytes the library allocated for lock and lease */
+};
+
+static const size_t t18_lens[] = {
+	0, 1, 255, 4096, (size_t)1 << 20, (size_t)64 << 20
+};
+enum { T18_N = sizeof t18_lens / sizeof t18_lens[0] };
+
+static void *
+t18_thread(void *arg)
+{
+	struct t18 *r = arg;
+	kl_provider *p = NULL;
+
+	if (kl_memory_provider_new(&p) != KL_OK)
+		return NULL;
+	for (int i = 0; i < T18_N; i++, r++) {
+		size_t len = t18_lens[i];
+		char *key = malloc(len + 1);
+		kl_lock_opts o = KL_LOCK_OPTS_INIT;
+		kl_lock *l = NULL, *l2 = NULL;
+		kl_lease *lease = NULL, *lease2 = NULL;
+
+		r->len = len;
+		if (key == NULL)
+			break;
+		/* Every byte but NUL, and invalid UTF-8 among them. */
+		for (size_t j = 0; j < len; j++)
+			key[j] = (char)(1 + j % 255);
+		key[len] = '\0';
+		o.provider = p;
+		o.key = key;
+		o.timeout_ms = 0;
+		(void)kl__test_alloc_bytes();
+		r->new_rc = kl_lock_new(&l, &o);
+		if (r->new_rc == KL_OK)
+			r->acquire_rc = kl_lock_acquire(l, NULL, &lease, NULL);
+		r->copied = kl__test_alloc_bytes();
+		if (r->new_rc == KL_OK && r->acquire_rc == KL_OK) {
+			const char *k = kl_lease_key(lease);
+
+			r->key_same = k != NULL && strlen(k) == len &&
+				      memcmp(k, key, len) == 0;
+			r->held = kl_memory_provider_size(p);
+			if (kl_lock_new(&l2, &o) == KL_OK) {
+				r->second_rc = kl_lock_acquire(l2, NULL,
+							       &lease2, NULL);
+				if (r->second_rc == KL_OK)
+					kl_lease_release(lease2);
+				kl_lock_free(l2);
+			}
+			kl_lease_release(lease);
+			r->after = kl_memory_provider_size(p);
+		}
+		kl_lock_free(l);
+		free(key);
+	}
+	kl_provider_free(p);
+	return NULL;
+}
+
+START_TEST(test_t18_key_sizes_small_stack)
+{
+	struct t18 r[T18_N];
+	pthread_attr_t attr;
+	pthread_t t;
+
+	memset(r, 0, sizeof r);
+	ck_assert_int_eq(pthread_attr_init(&attr), 0);
+	ck_assert_int_eq(pthread_attr_setstacksize(&attr, 64 * 1024), 0);
+	ck_assert_int_eq(pthread_create(&t, &attr, t18_thread, r), 0);
+	pthread_attr_destroy(&attr);
+	ck_assert_int_eq(pthread_join(t, NULL), 0);
+	for (int i = 0; i < T18_N; i++) {
+		ck_assert_msg(r[i].len == t18_lens[i], "key %d not tried", i);
+		ck_assert_int_eq(r[i].new_rc, KL_OK);
+		ck_assert_int_eq(r[i].acquire_rc, KL_OK);
+		ck_assert_msg(r[i].key_same, "lease key of %zu bytes differs",
+			      r[i].len);
+		ck_assert_uint_eq(r[i].held, 1);
+		ck_assert_int_eq(r[i].second_rc, KL_ETIMEDOUT);
+		ck_assert_uint_eq(r[i].after, 0);
+		/* The lock's copy and the held key's: twice, never more. */
+		ck_assert_msg(r[i].copied <= 2 * r[i].len + 4096,
+			      "%zu-byte key: %zu bytes allocated", r[i].len,
+			      r[i].copied);
+	}
+}
+END_TEST
 
 /* ------------------------------------------------------------------ */
 /* The shared provider and private ones                                */
@@ -638,6 +739,7 @@ provider_memory_suite(void)
 	tcase_add_test(tc, test_shared_is_one);
 	tcase_add_test(tc, test_private_independent);
 	tcase_add_test(tc, test_size_counts_keys);
+	tcase_add_test(tc, test_t18_key_sizes_small_stack);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("open");
