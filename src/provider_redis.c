@@ -55,6 +55,7 @@
 #define MIN_TTL_MS 100
 #define WAKE_SLICE_MS 50    /* longest BLPOP: bounds the cancel latency */
 #define RECHECK_MAX_MS 250  /* longest time between two attempts */
+#define IDLE_LINGER_MS 250  /* the renewal thread's nap with no lease */
 #define RECHECK_MIN_MS 25
 #define GRACE_MS 100        /* a wait's commands end by its deadline + this */
 #define RETRY_GAP_MAX_MS 250 /* between renewal attempts after an error */
@@ -284,7 +285,7 @@ conn_get(struct redis *r, int64_t cap_ns, struct kl__rconn **out,
 	 kl_error *err)
 {
 	struct kl__rconn *c = NULL;
-	pid_t pid = getpid();
+	pid_t pid = kl__redis_getpid();
 
 	pthread_mutex_lock(&r->mu);
 	while (c == NULL && r->nidle > 0) {
@@ -926,6 +927,7 @@ static void *
 renewer(void *arg)
 {
 	struct redis *r = arg;
+	bool lingered = false;
 
 	pthread_mutex_lock(&r->mu);
 	while (!r->stopping) {
@@ -996,6 +998,16 @@ renewer(void *arg)
 			}
 			lease_unref(due);
 			continue;
+		}
+		/* With no lease left, sleep a while before sleeping until
+		 * signalled: a lease taken meanwhile and due later need not
+		 * wake us, which spares a program that takes and releases
+		 * locks in a loop a wake-up per acquire. */
+		if (next != KL_R_NO_DEADLINE) {
+			lingered = false;
+		} else if (!lingered) {
+			lingered = true;
+			next = now + IDLE_LINGER_MS * MS;
 		}
 		r->sleep_until = next;
 		if (next == KL_R_NO_DEADLINE) {

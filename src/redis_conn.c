@@ -5,18 +5,26 @@
  * A connection is used by one thread at a time (the provider's pool hands
  * it out).  Commands go through hiredis's argv API only, so keys and values
  * are binary-safe and nothing is ever parsed out of a format string.  We do
- * the waiting ourselves: hiredis writes the command (blocking socket, with
- * SO_SNDTIMEO as a bound), then we poll() for the reply against an absolute
- * CLOCK_MONOTONIC deadline and feed hiredis's reader.  So a signal (EINTR)
- * never extends a deadline, and a command that misses its deadline marks the
- * connection broken: it is closed, never reused, because a late reply would
- * otherwise be read as the answer to the next command.
+ * the I/O ourselves and use hiredis for building commands and parsing
+ * replies only: send() writes hiredis's output buffer (blocking socket,
+ * with SO_SNDTIMEO as a bound), then recv() feeds its reader until the
+ * replies are in by an absolute CLOCK_MONOTONIC deadline.  The socket's
+ * SO_RCVTIMEO is a short slice (rcv_ns), so a blocking recv() never
+ * outlasts a deadline that is two slices away; closer to the deadline we
+ * poll() first.  So a signal (EINTR) never extends a deadline,
+ * and a command that misses its deadline marks the connection broken: it
+ * is closed, never reused, because a late reply would otherwise be read as
+ * the answer to the next command.
  *
  * Writing to a socket the server has closed raises SIGPIPE, which would
- * kill a program that did not ignore it; hiredis uses write(), so around
- * each write we block SIGPIPE in the calling thread and consume one that
- * the write raised (the technique libpq uses).
- */
+ * kill a program that did not ignore it: we send with MSG_NOSIGNAL.  Where
+ * that flag is missing we block SIGPIPE in the calling thread around the
+ * write and consume one that the write raised (the technique libpq uses).
+ *
+ * The process id (to tell a connection inherited over fork()) and the
+ * random bytes for lease tokens are cached, the first per process and the
+ * second per thread; a pthread_atfork() child handler drops both caches.
+  */
 #include "config.h"
 
 #include <errno.h>
@@ -29,6 +37,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef HAVE_SYS_RANDOM_H
@@ -72,8 +81,8 @@ kl__redis_deadline(int64_t ms)
 	return now + ms * 1000000;
 }
 
-bool
-kl__redis_random(void *buf, size_t n)
+static bool
+random_fill(void *buf, size_t n)
 {
 	unsigned char *p = buf;
 	ssize_t r;
@@ -106,6 +115,75 @@ kl__redis_random(void *buf, size_t n)
 	}
 	close(fd);
 	return n == 0;
+}
+
+/* Forks seen by this process's child handler, and the process id. */
+static unsigned fork_gen;
+static pid_t cached_pid;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+
+/* Runs in the child of fork(), which has this one thread only. */
+static void
+fork_child(void)
+{
+	__atomic_store_n(&cached_pid, 0, __ATOMIC_RELAXED);
+	__atomic_fetch_add(&fork_gen, 1, __ATOMIC_RELAXED);
+}
+
+static void
+fork_init(void)
+{
+	pthread_atfork(NULL, NULL, fork_child);
+}
+
+pid_t
+kl__redis_getpid(void)
+{
+	pid_t pid;
+
+	pthread_once(&fork_once, fork_init);
+	pid = __atomic_load_n(&cached_pid, __ATOMIC_RELAXED);
+	if (pid == 0) {
+		pid = getpid();
+		__atomic_store_n(&cached_pid, pid, __ATOMIC_RELAXED);
+	}
+	return pid;
+}
+
+/* Random bytes for small requests (tokens) come from a per-thread buffer,
+ * refilled RANDOM_POOL bytes at a time; bytes handed out are wiped from it.
+ * A child of fork() never reuses its parent's bytes: the generation the
+ * buffer was filled in no longer matches. */
+#define RANDOM_POOL 256
+#define RANDOM_SMALL 64
+
+static _Thread_local struct {
+	unsigned char buf[RANDOM_POOL];
+	size_t left; /* unused bytes, at the end of buf */
+	unsigned gen;
+} rnd;
+
+bool
+kl__redis_random(void *buf, size_t n)
+{
+	unsigned gen;
+
+	if (n > RANDOM_SMALL)
+		return random_fill(buf, n);
+	pthread_once(&fork_once, fork_init);
+	gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
+	if (rnd.gen != gen || rnd.left < n) {
+		kl__redis_wipe(rnd.buf, sizeof rnd.buf);
+		rnd.left = 0;
+		if (!random_fill(rnd.buf, sizeof rnd.buf))
+			return random_fill(buf, n);
+		rnd.left = sizeof rnd.buf;
+		rnd.gen = gen;
+	}
+	memcpy(buf, rnd.buf + sizeof rnd.buf - rnd.left, n);
+	kl__redis_wipe(rnd.buf + sizeof rnd.buf - rnd.left, n);
+	rnd.left -= n;
+	return true;
 }
 
 void
@@ -320,6 +398,7 @@ static const char *const scripts[KL_RS_COUNT] = {
 /* ------------------------------------------------------------------ */
 /* I/O with deadlines                                                  */
 
+#ifndef MSG_NOSIGNAL
 struct pipe_guard {
 	sigset_t old;
 	bool pending; /* a SIGPIPE was pending before: not ours to take */
@@ -353,6 +432,60 @@ pipe_unblock(struct pipe_guard *g, bool failed)
 	}
 	pthread_sigmask(SIG_SETMASK, &g->old, NULL);
 }
+#define KL_R_PIPE_GUARD 1
+#define MSG_NOSIGNAL 0
+#endif
+
+/* The longest blocking recv(), in milliseconds; and the least time left
+ * beyond one slice for a blocking recv(), since the kernel may round the
+ * slice up to its clock tick. */
+#define RCV_SLICE_MS 100
+#define RCV_SLACK_NS INT64_C(20000000)
+
+/* Notes an I/O failure in c's context, as hiredis would: what, or NULL
+ * for errno's description (%m: strerror() is not thread-safe). */
+static void
+io_error(struct kl__rconn *c, int type, const char *what)
+{
+	c->ctx->err = type;
+	if (what != NULL)
+		snprintf(c->ctx->errstr, sizeof c->ctx->errstr, "%s", what);
+	else
+		snprintf(c->ctx->errstr, sizeof c->ctx->errstr, "%m");
+}
+
+/* Writes hiredis's output buffer: true when all of it went. */
+static bool
+send_all(struct kl__rconn *c)
+{
+	const char *p = c->ctx->obuf;
+	size_t left = sdslen(c->ctx->obuf);
+	bool ok = true;
+#ifdef KL_R_PIPE_GUARD
+	struct pipe_guard g;
+
+	pipe_block(&g);
+#endif
+	while (left > 0) {
+		ssize_t n = send(c->ctx->fd, p, left, MSG_NOSIGNAL);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0) {
+			io_error(c, REDIS_ERR_IO,
+				 n < 0 ? NULL : "nothing written");
+			ok = false;
+			break;
+		}
+		p += n;
+		left -= (size_t)n;
+	}
+#ifdef KL_R_PIPE_GUARD
+	pipe_unblock(&g, !ok);
+#endif
+	sdsclear(c->ctx->obuf);
+	return ok;
+}
 
 /* 1 when fd is readable, 0 at the deadline, -1 on a poll error. */
 static int
@@ -375,6 +508,57 @@ wait_readable(int fd, int64_t deadline)
 	}
 }
 
+/* Reads what the server sent into hiredis's reader by deadline: 1 when
+ * something was read, 0 at the deadline, -1 when the connection failed.
+ * A blocking recv() waits one SO_RCVTIMEO slice at most, so it is used
+ * only while the deadline is two slices (and at least one slice and
+ * RCV_SLACK_NS) away; closer, poll() waits for the reply first. */
+static int
+read_some(struct kl__rconn *c, int64_t deadline)
+{
+	char buf[16 * 1024];
+
+	for (;;) {
+		int64_t now = kl__redis_now_ns();
+		ssize_t n;
+		int r;
+
+		if (now >= deadline)
+			return 0;
+		if (deadline - now < c->rcv_ns + (c->rcv_ns > RCV_SLACK_NS
+							   ? c->rcv_ns
+							   : RCV_SLACK_NS)) {
+			r = wait_readable(c->ctx->fd, deadline);
+			if (r <= 0) {
+				if (r < 0)
+					io_error(c, REDIS_ERR_IO, NULL);
+				return r;
+			}
+		}
+		n = recv(c->ctx->fd, buf, sizeof buf, 0);
+		if (n > 0) {
+			if (redisReaderFeed(c->ctx->reader, buf, (size_t)n) !=
+			    REDIS_OK) {
+				io_error(c, REDIS_ERR_PROTOCOL,
+					 c->ctx->reader->errstr);
+				return -1;
+			}
+			return 1;
+		}
+		if (n == 0) {
+			io_error(c, REDIS_ERR_EOF,
+				 "Server closed the connection");
+			return -1;
+		}
+		/* EAGAIN: the slice ended (SO_RCVTIMEO); EINTR: a signal. */
+		if (errno != EINTR && errno != EAGAIN &&
+		    errno != EWOULDBLOCK) {
+			io_error(c, REDIS_ERR_IO, NULL);
+			return -1;
+		}
+	}
+}
+
 static int
 broken(struct kl__rconn *c, kl_error *err, const char *what)
 {
@@ -392,18 +576,13 @@ static int
 roundtrip(struct kl__rconn *c, int64_t deadline, int n, redisReply **rep,
 	  kl_error *err)
 {
-	struct pipe_guard g;
-	int done = 0, i, r;
+	int i, r;
 
 	for (i = 0; i < n; i++)
 		rep[i] = NULL;
 	if (c->broken)
 		return broken(c, err, "connection already failed");
-	pipe_block(&g);
-	while (!done && redisBufferWrite(c->ctx, &done) == REDIS_OK)
-		;
-	pipe_unblock(&g, !done);
-	if (!done)
+	if (!send_all(c))
 		return broken(c, err, "cannot send the command");
 	for (i = 0; i < n; i++) {
 		void *reply = NULL;
@@ -416,7 +595,7 @@ roundtrip(struct kl__rconn *c, int64_t deadline, int n, redisReply **rep,
 			}
 			if (reply != NULL)
 				break;
-			r = wait_readable(c->ctx->fd, deadline);
+			r = read_some(c, deadline);
 			if (r == 0) {
 				c->broken = true;
 				kl__redis_error(err, KL_EPROVIDER,
@@ -425,7 +604,7 @@ roundtrip(struct kl__rconn *c, int64_t deadline, int n, redisReply **rep,
 				r = KL_EPROVIDER;
 				goto fail;
 			}
-			if (r < 0 || redisBufferRead(c->ctx) != REDIS_OK) {
+			if (r < 0) {
 				r = broken(c, err, "connection lost");
 				goto fail;
 			}
@@ -678,7 +857,7 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	}
 	if ((c = calloc(1, sizeof *c)) == NULL)
 		return KL_ENOMEM;
-	c->pid = getpid();
+	c->pid = kl__redis_getpid();
 	c->ctx = redisConnectWithTimeout(conf->host, conf->port,
 					 tv_ms(connect_ms));
 	if (c->ctx == NULL) {
@@ -694,6 +873,22 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 		return KL_EPROVIDER;
 	}
 	redisSetTimeout(c->ctx, tv_ms(conf->timeout_ms));
+	/* A blocking recv() waits one slice at most (see read_some). */
+	{
+		int64_t slice_ms = conf->timeout_ms / 4;
+		struct timeval tv;
+
+		if (slice_ms > RCV_SLICE_MS)
+			slice_ms = RCV_SLICE_MS;
+		if (slice_ms < 1)
+			slice_ms = 1;
+		tv = tv_ms(slice_ms);
+		/* Failing that, every read polls first. */
+		c->rcv_ns = setsockopt(c->ctx->fd, SOL_SOCKET, SO_RCVTIMEO,
+				       &tv, sizeof tv) == 0
+				    ? slice_ms * 1000000
+				    : KL_R_NO_DEADLINE / 2;
+	}
 	redisEnableKeepAlive(c->ctx);
 	deadline = kl__redis_deadline(conf->timeout_ms);
 	if (cap_ns < deadline)

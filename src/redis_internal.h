@@ -65,7 +65,11 @@ KL_RHIDDEN void kl__redis_error(kl_error *err, int status, const char *fmt,
 KL_RHIDDEN int64_t kl__redis_now_ns(void);
 /* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */
 KL_RHIDDEN int64_t kl__redis_deadline(int64_t ms);
-/* Fills buf with n random bytes; false when no randomness could be had. */
+/* getpid(), cached per process (a fork() child finds it anew). */
+KL_RHIDDEN pid_t kl__redis_getpid(void);
+/* Fills buf with n random bytes; false when no randomness could be had.
+ * Small requests come from a per-thread buffer of getrandom() bytes that
+ * a child of fork() never reuses. */
 KL_RHIDDEN bool kl__redis_random(void *buf, size_t n);
 /* Overwrites n bytes so that the compiler cannot drop the stores. */
 KL_RHIDDEN void kl__redis_wipe(void *p, size_t n);
@@ -90,6 +94,7 @@ struct kl__rconn {
 	redisContext *ctx;
 	pid_t pid;          /* the process that connected */
 	bool broken;        /* failed or timed out: close, never reuse */
+	int64_t rcv_ns;     /* SO_RCVTIMEO: the longest blocking recv() */
 	int64_t up_ms;      /* server uptime by its INFO (a lower bound) */
 	int64_t t0_ns;      /* our clock when INFO had answered */
 	bool persistent;    /* appendonly yes and appendfsync always */
