@@ -76,11 +76,18 @@ kl__test_yield(const char *where)
 	case 1:
 		sched_yield();
 		break;
-	default:
+	default: {
+		/* nanosleep is a cancellation point and keylock's calls are
+		 * not: a thread cancelled here would die queued. */
+		int old;
+
 		ts.tv_sec = 0;
 		ts.tv_nsec = (long)(yield_state % 50000);
+		pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
 		nanosleep(&ts, NULL);
+		pthread_setcancelstate(old, NULL);
 		break;
+	}
 	}
 }
 
