@@ -775,7 +775,8 @@ auth_failed(struct kl__rconn *c, const struct kl__redis_conf *conf,
 static int
 identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 {
-	char buf[64];
+	char buf[64], *end;
+	long long secs;
 	long major = 0, minor = 0;
 
 	if (r->type != REDIS_REPLY_STRING) {
@@ -797,13 +798,25 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 	 * and now (floor(now) - floor(start)), up to a second more than it
 	 * has really been up: take one off, so that the estimate stays a
 	 * lower bound and the restart guard never ends early. */
-	c->up_ms = strtoll(buf, NULL, 10) * 1000 - 1000;
-	if (c->up_ms < 0)
-		c->up_ms = 0;
+	secs = strtoll(buf, NULL, 10);
+	/* A bogus uptime must not overflow here or in kl__rconn_uptime_ms:
+	 * 2^40 s is over 34000 years. */
+	if (secs > INT64_C(1) << 40)
+		secs = INT64_C(1) << 40;
+	c->up_ms = secs > 0 ? secs * 1000 - 1000 : 0;
 	/* Our clock from after the reply: INFO ran before it. */
 	c->t0_ns = kl__redis_now_ns();
-	if (info_field(r->str, "redis_version", buf, sizeof buf))
-		sscanf(buf, "%ld.%ld", &major, &minor);
+	if (!info_field(r->str, "redis_version", buf, sizeof buf)) {
+		snprintf(buf, sizeof buf, "of no stated version");
+	} else {
+		/* strtol, not sscanf: an out-of-range number is no UB. */
+		major = strtol(buf, &end, 10);
+		if (*end == '.')
+			minor = strtol(end + 1, NULL, 10);
+	}
+	/* Clamped, so that a bogus version cannot overflow. */
+	major = major < 0 ? 0 : major > 9999 ? 9999 : major;
+	minor = minor < 0 ? 0 : minor > 99 ? 99 : minor;
 	c->version = (int)(major * 100 + minor);
 	if (c->version < 600) {
 		c->broken = true;
