@@ -1052,8 +1052,13 @@ redis_destroy(void *impl)
 		kl__rconn_close(r->idle[--r->nidle]);
 	kl__rconn_close(r->rconn);
 	free(r->idle);
-	pthread_cond_destroy(&r->cv);
-	pthread_mutex_destroy(&r->mu);
+	/* In a child of fork(), the parent's renewal thread may still count
+	 * as a waiter of cv, and destroying it would wait for that thread
+	 * for ever: leave both to the child's exit. */
+	if (r->pid == getpid()) {
+		pthread_cond_destroy(&r->cv);
+		pthread_mutex_destroy(&r->mu);
+	}
 	kl__redis_conf_clear(&r->conf);
 	free(r);
 }

@@ -806,6 +806,137 @@ START_TEST(test_acquire_release)
 }
 END_TEST
 
+/* The ids of the server's clients, as CLIENT LIST gives them. */
+static size_t
+client_ids(redisContext *c, long long *ids, size_t max)
+{
+	const char *argv[2] = { "CLIENT", "LIST" };
+	redisReply *r = rcmd(c, 2, argv);
+	size_t n = 0;
+
+	ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
+	for (const char *at = r->str; (at = strstr(at, "id=")) != NULL;
+	     at += 3)
+		if ((at == r->str || at[-1] == '\n') && n < max)
+			ids[n++] = strtoll(at + 3, NULL, 10);
+	freeReplyObject(r);
+	return n;
+}
+
+static bool
+id_in(long long id, const long long *ids, size_t n)
+{
+	for (size_t i = 0; i < n; i++)
+		if (ids[i] == id)
+			return true;
+	return false;
+}
+
+/* TESTPLAN T14, the Redis variant: a child of fork() that uses the
+ * inherited provider must connect anew (a pid check), never write on the
+ * parent's sockets: the parent's connections outlive the child, and the
+ * parent's next operations (1000, scaled) get their own replies. */
+START_TEST(test_fork_child_connects_anew)
+{
+	long long before[256], during[256];
+	size_t nb, nd, fresh = 0;
+	int ops = (int)kl_test_scaled(1000, 100), ctl[2], rep[2], status;
+	uint64_t last, f;
+	redisContext *c = raw();
+	kl_provider *p = open_default();
+	struct hold h;
+	char ch = 0;
+	pid_t pid;
+
+	/* The parent has a pooled connection; its renewal thread, with no
+	 * lease left, is asleep on its condition variable (it lingers
+	 * 250 ms first), so no provider lock is held at the fork. */
+	take_ok(p, "fork", 0, &h);
+	last = kl_lease_fence(h.lease);
+	hold_free(&h);
+	test_sleep_ms(400);
+	nb = client_ids(c, before, 256);
+	ck_assert_uint_ge(nb, 2);
+
+	ck_assert_int_eq(pipe2(ctl, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(rep, O_CLOEXEC), 0);
+	pid = fork();
+	ck_assert_int_ge(pid, 0);
+	if (pid == 0) {
+		/* No ck_assert in the child: exit codes say what failed. */
+		kl_lock_opts o = KL_LOCK_OPTS_INIT;
+		kl_lock *l = NULL;
+		kl_lease *lease = NULL;
+		int r;
+
+		o.provider = p;
+		o.key = "forkchild";
+		o.timeout_ms = 10000;
+		if (kl_lock_new(&l, &o) != KL_OK)
+			_exit(2);
+		r = kl_lock_acquire(l, NULL, &lease, NULL);
+		ch = r == KL_OK ? 'G' : 'E';
+		if (write(rep[1], &ch, 1) != 1)
+			_exit(3);
+		if (r != KL_OK)
+			_exit(4);
+		if (read(ctl[0], &ch, 1) != 1)
+			_exit(5);
+		kl_lease_release(lease);
+		kl_lock_free(l);
+		kl_provider_free(p);
+		_exit(0);
+	}
+	live_add(pid);
+	close(ctl[0]);
+	close(rep[1]);
+	ck_assert_int_eq(read(rep[0], &ch, 1), 1);
+	ck_assert_msg(ch == 'G', "the child could not take 'forkchild'");
+	/* While the child holds its key: a client the server did not have
+	 * before (the child's), and every one it had still there. */
+	nd = client_ids(c, during, 256);
+	for (size_t i = 0; i < nd; i++)
+		fresh += !id_in(during[i], before, nb);
+	for (size_t i = 0; i < nb; i++)
+		ck_assert_msg(id_in(before[i], during, nd),
+			      "client %lld is gone after the fork", before[i]);
+	ck_assert_msg(fresh >= 1, "the child made no connection of its own");
+	ck_assert_int_eq(write(ctl[1], "g", 1), 1);
+	close(ctl[1]);
+	close(rep[0]);
+	{
+		int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+		pid_t r;
+
+		while ((r = waitpid(pid, &status, WNOHANG)) == 0) {
+			ck_assert_msg(now_ms() < limit, "child still running");
+			test_sleep_ms(5);
+		}
+		ck_assert_int_eq(r, pid);
+		live_remove(pid);
+	}
+	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+		      "child status 0x%x", (unsigned)status);
+	nd = client_ids(c, during, 256);
+	for (size_t i = 0; i < nb; i++)
+		ck_assert_msg(id_in(before[i], during, nd),
+			      "client %lld is gone after the child", before[i]);
+	/* The parent's sockets carry only its own requests and replies. */
+	for (int i = 0; i < ops; i++) {
+		take_ok(p, "fork", 0, &h);
+		f = kl_lease_fence(h.lease);
+		ck_assert_msg(f > last, "fence %" PRIu64 " after %" PRIu64,
+			      f, last);
+		last = f;
+		hold_free(&h);
+	}
+	assert_status(p, "fork", 0, 0);
+	assert_status(p, "forkchild", 0, 0);
+	redisFree(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Keys of any bytes (and huge ones) map to fixed-length names under the
  * prefix: no key can name another Redis key or inject a command. */
 START_TEST(test_binary_keys)
@@ -1678,6 +1809,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_external_del_is_lost);
 	tcase_add_test(tc, test_renewal_keeps_lease);
 	tcase_add_test(tc, test_fence_increasing);
+	tcase_add_test(tc, test_fork_child_connects_anew);
 
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);
