@@ -24,7 +24,7 @@
  * The process id (to tell a connection inherited over fork()) and the
  * random bytes for lease tokens are cached, the first per process and the
  * second per thread; a pthread_atfork() child handler drops both caches.
-  */
+ */
 #include "config.h"
 
 #include <errno.h>
