@@ -527,11 +527,17 @@ st_unpin(void)
 int
 st_child(int (*fn)(void *arg), void *arg, int64_t limit_ms)
 {
+	fflush(NULL);
+	return st_child_quiet(fn, arg, limit_ms);
+}
+
+int
+st_child_quiet(int (*fn)(void *arg), void *arg, int64_t limit_ms)
+{
 	int64_t limit;
 	int status;
 	pid_t pid, r;
 
-	fflush(NULL);
 	pid = fork();
 	if (pid < 0)
 		return -2;

@@ -170,6 +170,9 @@ void st_unpin(void);
  * raw wait status, or -1 when it had to be killed.  Call while the
  * process has only the test's thread. */
 int st_child(int (*fn)(void *arg), void *arg, int64_t limit_ms);
+/* The same without touching stdio (no fflush), for a child of a threaded
+ * process that forks again; both return -2 when fork failed. */
+int st_child_quiet(int (*fn)(void *arg), void *arg, int64_t limit_ms);
 /* Describes a wait status from st_child. */
 void st_describe_status(int status, char *buf, size_t size);
 

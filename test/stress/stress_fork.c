@@ -36,6 +36,7 @@
 #include <check.h>
 #include <errno.h>
 #include <signal.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -158,43 +159,11 @@ t14_main(void *arg)
 	return NULL;
 }
 
-/* Forks; the child runs fn(depth) and leaves with _exit.  The parent (or
- * child, for a nested fork) waits at most limit_ms, killing a hung child.
- * Returns the wait status, -1 for a hung child, -2 when fork failed.  No
- * stdio: a nested caller is itself a child of the threaded test. */
-static int
-fork_wait(int (*fn)(int depth), int depth, int64_t limit_ms)
-{
-	int64_t limit;
-	int status;
-	pid_t pid, r;
-
-	pid = fork();
-	if (pid < 0)
-		return -2;
-	if (pid == 0)
-		_exit(fn(depth));
-	limit = now_ns() + limit_ms * ST_MS;
-	for (;;) {
-		r = waitpid(pid, &status, WNOHANG);
-		if (r == pid)
-			return status;
-		if (r < 0 && errno != EINTR)
-			return -2;
-		if (now_ns() > limit) {
-			kill(pid, SIGKILL);
-			while (waitpid(pid, &status, 0) < 0 && errno == EINTR)
-				;
-			return -1;
-		}
-		test_sleep_ms(1);
-	}
-}
-
 /* The child: only objects made after the fork (the documented rule). */
 static int
-child_body(int depth)
+child_body(void *arg)
 {
+	int depth = (int)(intptr_t)arg;
 	int64_t t0 = now_ns();
 	kl_queue_opts qo = KL_QUEUE_OPTS_INIT;
 	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
@@ -236,8 +205,9 @@ child_body(int depth)
 
 	if (depth == 1) {
 		/* Nested: this child forks once more, with the same duty. */
-		int st = fork_wait(child_body, depth + 1,
-				   (int64_t)T14_HANG_MS * st_slow());
+		int st = st_child_quiet(child_body,
+					(void *)(intptr_t)(depth + 1),
+					(int64_t)T14_HANG_MS * st_slow());
 
 		if (st == -2)
 			return C_FORK;
@@ -294,10 +264,9 @@ START_TEST(test_t14_fork_while_hammering)
 		char what[128];
 		int st;
 
-		fflush(NULL);
-		st = fork_wait(child_body, nest ? 1 : 0,
-			       (int64_t)T14_HANG_MS * st_slow() *
-				       (nest ? 2 : 1));
+		st = st_child(child_body, (void *)(intptr_t)(nest ? 1 : 0),
+			      (int64_t)T14_HANG_MS * st_slow() *
+				      (nest ? 2 : 1));
 		if (now_ns() - t0 > worst_ns)
 			worst_ns = now_ns() - t0;
 		nested += nest;
