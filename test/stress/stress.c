@@ -41,6 +41,9 @@
 
 static uint64_t seed;
 static bool forked = true;
+/* Threads st_thread_try_start started and st_thread_join has not joined:
+ * see st_fail_prepare. */
+static atomic_long live_threads;
 static const char *test_name = "?";
 static int64_t test_start_ns;
 
@@ -204,6 +207,22 @@ st_msg(char *buf, size_t size, const char *fmt, ...)
 		snprintf(buf + len, size - len,
 			 " [%s; replay with KL_TEST_SEED=%" PRIu64 "]",
 			 test_name, seed);
+}
+
+void
+st_fail_prepare(const char *expr, const char *msg)
+{
+	long live = atomic_load(&live_threads);
+
+	if (forked || live == 0)
+		return;
+	fprintf(stderr,
+		"stress: %s: %s\nstress: %ld worker thread(s) still running "
+		"on this test's stack under CK_FORK=no: exiting with status "
+		"2 instead of unwinding\n",
+		expr, msg, live);
+	fflush(NULL);
+	_exit(2);
 }
 
 /* ------------------------------------------------------------------ */
@@ -381,6 +400,8 @@ st_thread_try_start(pthread_t *t, size_t stack, void *(*fn)(void *arg),
 	if (rc == 0)
 		rc = pthread_create(t, &attr, fn, arg);
 	pthread_attr_destroy(&attr);
+	if (rc == 0)
+		atomic_fetch_add(&live_threads, 1);
 	return rc;
 }
 
@@ -398,6 +419,8 @@ st_thread_join(pthread_t t)
 {
 	int rc = pthread_join(t, NULL);
 
+	if (rc == 0)
+		atomic_fetch_sub(&live_threads, 1);
 	st_assert(rc == 0, "pthread_join: %s", strerror(rc));
 }
 

@@ -77,12 +77,21 @@ long st_scaled(long n, double factor, long min);
 void st_msg(char *buf, size_t size, const char *fmt, ...)
 	__attribute__((format(printf, 3, 4)));
 
+/* Called by st_assert before it fails the test.  Under CK_FORK=no a
+ * failed check longjmps out of the test function; a worker still running
+ * (started by st_thread_start, not yet joined) would go on using the
+ * test's stack frame, freed under it, and crash the runner later.  So in
+ * that case this prints the message and ends the process with status 2
+ * (a failed check) instead. */
+void st_fail_prepare(const char *expr, const char *msg);
+
 /* ck_assert_msg with the seed in the message.  Test's thread only. */
 #define st_assert(expr, ...)                                               \
 	do {                                                               \
 		if (!(expr)) {                                             \
 			char st_m_[768];                                   \
 			st_msg(st_m_, sizeof st_m_, __VA_ARGS__);          \
+			st_fail_prepare(#expr, st_m_);                     \
 			ck_assert_msg(0, "%s: %s", #expr, st_m_);          \
 		}                                                          \
 	} while (0)
