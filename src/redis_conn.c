@@ -229,8 +229,9 @@ tv_ms(int64_t ms)
  *   compare-and-PEXPIRE);
  * - whoever frees the key (release, a waiter leaving) wakes the first live
  *   waiter; waiters also re-check on a timer, so a lost wake-up only delays;
- * - the fence is max(last + 1, server time in microseconds): it grows with
- *   every grant, and still grows after a restart that lost the counter;
+ * - the fence is a counter started from the server's time in microseconds
+ *   (see NEXT_FENCE): it grows with every grant, and still grows after a
+ *   restart that lost the counter;
  * - the queue, heartbeats and wake lists expire by themselves (PEXPIRE at
  *   twice the heartbeat, refreshed by live waiters), so nothing is left
  *   behind by clients that died.
@@ -261,14 +262,23 @@ tv_ms(int64_t ms)
 	"  end\n"                                                          \
 	"end\n"
 
-/* The next fence of KEYS[4], from the TIME reply t, stored with ARGV[5]
- * ms to live: max(last + 1, server time in microseconds). */
+/* The next fence of KEYS[4], whose key lives ARGV[5] ms from its creation:
+ * the counter's next value, or, when there was no counter (new key, expired,
+ * or lost in a restart), the server's time in microseconds.  A counter
+ * started from the clock at T counts at most one per grant, and a grant
+ * takes two scripts, far more than a microsecond of the server's time, so
+ * the value stays below the clock: a counter drawn anew from the clock
+ * later is still larger than every fence before it, as long as the clock
+ * does not go back.  INCR keeps the key's expiry, so the fast path costs
+ * one command; only a new counter pays TIME and SET. */
 #define NEXT_FENCE                                                         \
-	"  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1\n"  \
-	"  local us = tonumber(t[1]) * 1000000 + tonumber(t[2])\n"           \
-	"  if us > fence then fence = us end\n"                              \
-	"  fence = string.format('%.0f', fence)\n"                           \
-	"  redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"
+	"  local fence = redis.call('INCR', KEYS[4])\n"                     \
+	"  if fence == 1 then\n"                                            \
+	"    local ft = redis.call('TIME')\n"                               \
+	"    fence = string.format('%.0f', tonumber(ft[1]) * 1000000 + "    \
+	"tonumber(ft[2]))\n"                                                \
+	"    redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"            \
+	"  end\n"
 
 /* KEYS: lock, q, hb, f, own wake list.  ARGV: token, ttl ms, heartbeat ms,
  * mode ("try": never queue; "join": join the queue, a first attempt;
@@ -282,15 +292,14 @@ tv_ms(int64_t ms)
  * Fast path, the uncontended case: no queue key means nobody waits (Redis
  * deletes a queue emptied by its last ZREM, and a queue that expired had
  * only dead waiters), so a free key is granted by SET NX at once, without
- * the queue, heartbeat and wake keys: EXISTS, SET NX, TIME and the fence's
- * GET and SET.  Only a "wait" caller (its queue expired meanwhile) also
- * drops its heartbeat and wake list.  Anything else (held, ours already, a
+ * the queue, heartbeat and wake keys: EXISTS, SET NX and the fence's INCR.
+ * Only a "wait" caller (its queue expired meanwhile) also drops its
+ * heartbeat and wake list.  Anything else (held, ours already, a
  * queue) takes the full way below. */
 static const char script_attempt[] =
 	"local tok = ARGV[1]\n"
 	"if redis.call('EXISTS', KEYS[2]) == 0 and\n"
 	"   redis.call('SET', KEYS[1], tok, 'NX', 'PX', ARGV[2]) then\n"
-	"  local t = redis.call('TIME')\n"
 	NEXT_FENCE
 	"  if ARGV[4] == 'wait' then\n"
 	"    redis.call('HDEL', KEYS[3], tok)\n"
