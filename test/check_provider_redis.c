@@ -273,49 +273,10 @@ open_default(void)
 	return open_opts("restart_guard=0");
 }
 
-struct events {
-	pthread_mutex_t mu;
-	int n[5];
-	int64_t lost_ns;
-	int last_status;
-};
-
-static void
-on_event(const kl_event *ev, void *arg)
-{
-	struct events *e = arg;
-
-	pthread_mutex_lock(&e->mu);
-	if (ev->type <= KL_EV_LOST)
-		e->n[ev->type]++;
-	if (ev->type == KL_EV_LOST && e->lost_ns == 0)
-		e->lost_ns = now_ns();
-	e->last_status = ev->status;
-	pthread_mutex_unlock(&e->mu);
-}
-
-static void
-events_init(struct events *e)
-{
-	memset(e, 0, sizeof *e);
-	pthread_mutex_init(&e->mu, NULL);
-}
-
-static int
-events_count(struct events *e, kl_event_type t)
-{
-	int n;
-
-	pthread_mutex_lock(&e->mu);
-	n = e->n[t];
-	pthread_mutex_unlock(&e->mu);
-	return n;
-}
-
 struct hold {
 	kl_lock *l;
 	kl_lease *lease;
-	struct events ev;
+	struct test_events ev;
 };
 
 /* Acquires key on p into h; returns the status (h holds nothing unless
@@ -328,12 +289,12 @@ take(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
 	kl_call call = { .key = NULL, .cancel = c };
 	int rc;
 
-	events_init(&h->ev);
+	tev_init(&h->ev);
 	o.provider = p;
 	o.key = key;
 	o.timeout_ms = timeout_ms;
 	o.ttl_ms = ttl_ms;
-	o.on_event = on_event;
+	o.on_event = tev_record;
 	o.event_arg = &h->ev;
 	h->lease = NULL;
 	ck_assert_int_eq(kl_lock_new(&h->l, &o), KL_OK);
@@ -794,9 +755,9 @@ START_TEST(test_acquire_release)
 	ck_assert_int_gt(rint_cmd(c, 2, pttl), 0);
 	ck_assert_int_le(rint_cmd(c, 2, pttl), 30000);
 	drop(&h);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_ACQUIRED), 1);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
 	assert_status(p, "alpha", 0, 0);
 	/* Only the fence counter stays, and it expires too. */
 	ck_assert_int_eq(count_keys(",:f,"), 1);
@@ -1099,7 +1060,7 @@ START_TEST(test_timeout)
 	ms = now_ms() - t0;
 	ck_assert_int_ge(ms, 300);
 	ck_assert_int_le(ms, 300 + SLACK_MS);
-	ck_assert_int_eq(events_count(&t.ev, KL_EV_REJECTED), 1);
+	ck_assert_int_eq(tev_count(&t.ev, KL_EV_REJECTED), 1);
 	ck_assert_int_eq(t.ev.last_status, KL_ETIMEDOUT);
 	/* Nothing of the waiter is left: no queue, heartbeat or wake list. */
 	assert_status(p, "to", 1, 0);
@@ -1259,7 +1220,7 @@ START_TEST(test_foreign_release)
 		freeReplyObject(r);
 		/* A's release is a foreign one now. */
 		drop(&ha);
-		ck_assert_int_eq(events_count(&ha.ev, KL_EV_RELEASE_FAILED), 1);
+		ck_assert_int_eq(tev_count(&ha.ev, KL_EV_RELEASE_FAILED), 1);
 		ck_assert_int_eq(ha.ev.last_status, KL_EPROVIDER);
 		r = rcmd(c, 2, get);
 		ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
@@ -1268,7 +1229,7 @@ START_TEST(test_foreign_release)
 		assert_status(b, "own", 1, 0);
 		ck_assert(kl_lease_valid(hb.lease));
 		drop(&hb);
-		ck_assert_int_eq(events_count(&hb.ev, KL_EV_RELEASED), 1);
+		ck_assert_int_eq(tev_count(&hb.ev, KL_EV_RELEASED), 1);
 		hold_free(&ha);
 		hold_free(&hb);
 	}
@@ -1302,12 +1263,12 @@ START_TEST(test_external_del_is_lost)
 	lost = (now_ns() - t0) / 1000000;
 	/* The next renewal (a third of the ttl) reports it. */
 	ck_assert_int_le(lost, 200 + SLACK_MS);
-	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+	for (int i = 0; i < 1000 && tev_count(&h.ev, KL_EV_LOST) == 0; i++)
 		test_sleep_ms(2);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_LOST), 1);
 	drop(&h);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_LOST), 1);
 	hold_free(&h);
 	redisFree(c);
 	kl_provider_free(p);
@@ -1334,10 +1295,10 @@ START_TEST(test_renewal_keeps_lease)
 		hold_free(&t);
 	}
 	ck_assert_int_gt(rint_cmd(c, 2, pttl), 0);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 0);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_LOST), 0);
 	drop(&h);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
 	hold_free(&h);
 	redisFree(c);
 	kl_provider_free(p);
@@ -1513,7 +1474,7 @@ START_TEST(test_restricted_acl_user)
 	test_sleep_ms(250); /* a renewal or two */
 	ck_assert(kl_lease_valid(h.lease));
 	drop(&h);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASED), 1);
 	waiter_join(&w);
 	ck_assert_msg(w.rc == KL_OK, "%s: %s", kl_strerror(w.rc), w.message);
 	hold_free(&w.h);
@@ -1593,9 +1554,9 @@ START_TEST(test_stalled_server)
 
 	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
 	g_stopped = 0;
-	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+	for (int i = 0; i < 1000 && tev_count(&h.ev, KL_EV_LOST) == 0; i++)
 		test_sleep_ms(2);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_LOST), 1);
 	hold_free(&w.h);
 	drop(&h);
 	hold_free(&h);
@@ -1727,9 +1688,9 @@ START_TEST(test_restart)
 	test_poll(lease_invalid, h.lease, "the old lease to be lost");
 	lost_ms = (now_ns() - t_up) / 1000000;
 	ck_assert_int_le(lost_ms, 500 + SLACK_MS);
-	for (int i = 0; i < 1000 && events_count(&h.ev, KL_EV_LOST) == 0; i++)
+	for (int i = 0; i < 1000 && tev_count(&h.ev, KL_EV_LOST) == 0; i++)
 		test_sleep_ms(2);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_LOST), 1);
 	/* No double grant: the waiter got the key only after the old lease
 	 * was known lost. */
 	if (w.rc == KL_OK)
@@ -1754,7 +1715,7 @@ START_TEST(test_restart)
 	ck_assert_uint_gt(kl_lease_fence(t.lease), f1);
 	hold_free(&t);
 	drop(&h);
-	ck_assert_int_eq(events_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
 	hold_free(&h);
 	kl_provider_free(fresh);
 	kl_provider_free(p);

@@ -394,67 +394,19 @@ open_port(int port, const char *prefix, const char *opts)
 	return p;
 }
 
-struct events {
-	pthread_mutex_t mu;
-	int n[5];
-	int64_t lost_ns;
-};
-
-static void
-on_event(const kl_event *ev, void *arg)
-{
-	struct events *e = arg;
-
-	pthread_mutex_lock(&e->mu);
-	if (ev->type <= KL_EV_LOST)
-		e->n[ev->type]++;
-	if (ev->type == KL_EV_LOST && e->lost_ns == 0)
-		e->lost_ns = now_ns();
-	pthread_mutex_unlock(&e->mu);
-}
-
-static void
-events_init(struct events *e)
-{
-	memset(e, 0, sizeof *e);
-	pthread_mutex_init(&e->mu, NULL);
-}
-
-static int
-events_count(struct events *e, kl_event_type t)
-{
-	int n;
-
-	pthread_mutex_lock(&e->mu);
-	n = e->n[t];
-	pthread_mutex_unlock(&e->mu);
-	return n;
-}
-
-/* Polls (up to 3 s) until e has at least one event of type t. */
-static int
-events_wait(struct events *e, kl_event_type t)
-{
-	int64_t limit = now_ms() + 3000;
-
-	while (events_count(e, t) == 0 && now_ms() < limit)
-		test_sleep_ms(2);
-	return events_count(e, t);
-}
-
 static kl_lock *
 lock_make(kl_provider *p, const char *key, int64_t timeout_ms,
-	  int64_t ttl_ms, struct events *ev)
+	  int64_t ttl_ms, struct test_events *ev)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_lock *l = NULL;
 
-	events_init(ev);
+	tev_init(ev);
 	o.provider = p;
 	o.key = key;
 	o.timeout_ms = timeout_ms;
 	o.ttl_ms = ttl_ms;
-	o.on_event = on_event;
+	o.on_event = tev_record;
 	o.event_arg = ev;
 	if (kl_lock_new(&l, &o) != KL_OK)
 		fail_note("kl_lock_new failed");
@@ -985,7 +937,7 @@ START_TEST(test_t23_wrong_tokens)
 	kl_provider *p, *q;
 	kl_lock *l, *lq;
 	kl_lease *lease, *tmp;
-	struct events ev, evq;
+	struct test_events ev, evq;
 	redisContext *c;
 	char lock[200], holder[64], now[64], stale[8][64];
 	const char *pttl[2] = { "PTTL", lock };
@@ -1080,9 +1032,9 @@ START_TEST(test_t23_wrong_tokens)
 	fails_assert();
 	ck_assert(kl_lease_valid(lease));
 	kl_lease_release(lease);
-	ck_assert_int_eq(events_count(&ev, KL_EV_RELEASED), 1);
-	ck_assert_int_eq(events_count(&ev, KL_EV_RELEASE_FAILED), 0);
-	ck_assert_int_eq(events_count(&ev, KL_EV_LOST), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASE_FAILED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_LOST), 0);
 	printf("T23 wrong tokens: %ld release, %ld renew, %ld leave, %ld "
 	       "attempt; 0 deletions or extensions (%lld ms)\n",
 	       ops[0], ops[1], ops[2], ops[3], (long long)(now_ms() - t0));
@@ -1116,7 +1068,7 @@ START_TEST(test_t23_external_expiry)
 	ck_assert_ptr_nonnull(c);
 	key_name(lock, sizeof lock, prefix, "x", "");
 	for (int i = 0; i < rounds; i++) {
-		struct events ev;
+		struct test_events ev;
 		kl_lock *l = lock_make(p, "x", 5000, 900, &ev);
 		kl_lease *lease;
 		kl_error err;
@@ -1145,12 +1097,11 @@ START_TEST(test_t23_external_expiry)
 				      i % 2 ? "PEXPIRE" : "DEL");
 			if ((now_ns() - t0) / MS > worst)
 				worst = (now_ns() - t0) / MS;
-			ck_assert_int_eq(events_wait(&ev, KL_EV_LOST), 1);
+			ck_assert_int_eq(tev_wait(&ev, KL_EV_LOST, 3000), 1);
 		}
 		kl_lease_release(lease);
-		ck_assert_msg(events_count(&ev, KL_EV_RELEASED) == 0 &&
-				      events_count(&ev, KL_EV_RELEASE_FAILED) ==
-					      1,
+		ck_assert_msg(tev_count(&ev, KL_EV_RELEASED) == 0 &&
+				      tev_count(&ev, KL_EV_RELEASE_FAILED) == 1,
 			      "round %d: a release after an external %s "
 			      "reported success",
 			      i, i % 2 ? "PEXPIRE" : "DEL");
@@ -1178,7 +1129,7 @@ static void *
 t23_client_main(void *arg)
 {
 	struct t23_client *k = arg;
-	struct events ev[4];
+	struct test_events ev[4];
 	kl_lock *l[4];
 
 	for (int i = 0; i < 4; i++)
@@ -1206,8 +1157,8 @@ t23_client_main(void *arg)
 		kl_lease_release(lease);
 	}
 	for (int i = 0; i < 4; i++) {
-		if (events_count(&ev[i], KL_EV_RELEASE_FAILED) != 0 ||
-		    events_count(&ev[i], KL_EV_LOST) != 0)
+		if (tev_count(&ev[i], KL_EV_RELEASE_FAILED) != 0 ||
+		    tev_count(&ev[i], KL_EV_LOST) != 0)
 			fail_note("key %s: a release failed or a lease was "
 				  "lost",
 				  t23_keys[i]);
@@ -1256,7 +1207,7 @@ START_TEST(test_t23_fences_aof_restart)
 {
 	const char *prefix = "t23a:";
 	kl_provider *p;
-	struct events ev, evh;
+	struct test_events ev, evh;
 	kl_lock *l, *lh;
 	kl_lease *lease, *held;
 	kl_error err;
@@ -1289,11 +1240,11 @@ START_TEST(test_t23_fences_aof_restart)
 		test_sleep_ms(200);
 		ck_assert(srv_restart(&g_srv[0]));
 	}
-	ck_assert_int_eq(events_count(&ev, KL_EV_RELEASE_FAILED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASE_FAILED), 0);
 	ck_assert(kl_lease_valid(held));
 	kl_lease_release(held);
-	ck_assert_int_eq(events_count(&evh, KL_EV_LOST), 0);
-	ck_assert_int_eq(events_count(&evh, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&evh, KL_EV_LOST), 0);
+	ck_assert_int_eq(tev_count(&evh, KL_EV_RELEASED), 1);
 	printf("T23 fences across 2 AOF restarts: %d grants, last fence "
 	       "%" PRIu64 "\n",
 	       3 * n, last);
@@ -1322,7 +1273,7 @@ struct t21_holder {
 	int epoch;
 	pthread_t th;
 	kl_lock *l;
-	struct events ev;
+	struct test_events ev;
 	atomic_int state; /* 0 acquiring, 1 holding, 2 done */
 	atomic_bool stop;
 	int64_t invalid_ns;
@@ -1335,7 +1286,7 @@ struct t21_waiter {
 	int epoch;
 	pthread_t th;
 	kl_lock *l;
-	struct events ev;
+	struct test_events ev;
 	int rc;
 	int64_t start_ns, end_ns;
 	char msg[256];
@@ -1575,32 +1526,32 @@ t21_cycle(struct t21 *t, int cycle)
 				t->aof_lost++;
 				/* The key may still be its own (then the
 				 * release succeeds) or not. */
-				int ends = events_count(&h[i].ev,
+				int ends = tev_count(&h[i].ev,
 							KL_EV_RELEASED) +
-					   events_count(&h[i].ev,
+					   tev_count(&h[i].ev,
 							KL_EV_RELEASE_FAILED);
 
-				if (events_wait(&h[i].ev, KL_EV_LOST) != 1 ||
+				if (tev_wait(&h[i].ev, KL_EV_LOST, 3000) != 1 ||
 				    ends != 1)
 					fail_note("%s: key %d: lost but events "
 						  "lost %d, released %d",
 						  t->name, i,
-						  events_count(&h[i].ev,
+						  tev_count(&h[i].ev,
 							       KL_EV_LOST),
-						  events_count(&h[i].ev,
+						  tev_count(&h[i].ev,
 							       KL_EV_RELEASED));
 				continue;
 			}
 			if (t->aof) {
-				if (events_count(&h[i].ev, KL_EV_RELEASED) !=
+				if (tev_count(&h[i].ev, KL_EV_RELEASED) !=
 					    1 ||
-				    events_count(&h[i].ev, KL_EV_LOST) != 0)
+				    tev_count(&h[i].ev, KL_EV_LOST) != 0)
 					fail_note("%s: key %d: released %d, "
 						  "lost %d",
 						  t->name, i,
-						  events_count(&h[i].ev,
+						  tev_count(&h[i].ev,
 							       KL_EV_RELEASED),
-						  events_count(&h[i].ev,
+						  tev_count(&h[i].ev,
 							       KL_EV_LOST));
 				else
 					t->released++;
@@ -1625,16 +1576,16 @@ t21_cycle(struct t21 *t, int cycle)
 					  t->name, i,
 					  (long long)((h[i].invalid_ns - t_up) /
 						      MS));
-			if (events_wait(&h[i].ev, KL_EV_LOST) != 1 ||
-			    events_count(&h[i].ev, KL_EV_RELEASED) != 0 ||
-			    events_count(&h[i].ev, KL_EV_RELEASE_FAILED) != 1)
+			if (tev_wait(&h[i].ev, KL_EV_LOST, 3000) != 1 ||
+			    tev_count(&h[i].ev, KL_EV_RELEASED) != 0 ||
+			    tev_count(&h[i].ev, KL_EV_RELEASE_FAILED) != 1)
 				fail_note("%s: key %d: lost %d, released %d, "
 					  "release failed %d",
 					  t->name, i,
-					  events_count(&h[i].ev, KL_EV_LOST),
-					  events_count(&h[i].ev,
+					  tev_count(&h[i].ev, KL_EV_LOST),
+					  tev_count(&h[i].ev,
 						       KL_EV_RELEASED),
-					  events_count(&h[i].ev,
+					  tev_count(&h[i].ev,
 						       KL_EV_RELEASE_FAILED));
 			else
 				t->lost++;
@@ -1756,7 +1707,7 @@ static void *
 sig_waiter_main(void *arg)
 {
 	struct sig_waiter *w = arg;
-	struct events ev;
+	struct test_events ev;
 	kl_lock *l = lock_make(w->p, w->key, w->timeout_ms, 0, &ev);
 
 	storm_join(w->storm, w->slot);
@@ -1854,7 +1805,7 @@ START_TEST(test_t22_pause)
 	struct sig_waiter w[4];
 	struct storm storm;
 	kl_provider *p, *q;
-	struct events ev, evb;
+	struct test_events ev, evb;
 	kl_lock *l, *lb;
 	kl_lease *lease, *busy, *again;
 	kl_error err;
@@ -1907,9 +1858,9 @@ START_TEST(test_t22_pause)
 		ck_assert_int_eq(kill(g_srv[0].pid, SIGCONT), 0);
 		for (int i = 0; i < 4; i++)
 			test_thread_join(w[i].th);
-		ck_assert_int_eq(events_wait(&ev, KL_EV_LOST), 1);
+		ck_assert_int_eq(tev_wait(&ev, KL_EV_LOST, 3000), 1);
 		kl_lease_release(lease);
-		ck_assert_int_eq(events_count(&ev, KL_EV_RELEASED), 0);
+		ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 0);
 		kl_lock_free(l);
 		/* The server works again, and the key expired. */
 		l = lock_make(q, "held", 5000, T22_TTL, &ev);
@@ -1951,7 +1902,7 @@ START_TEST(test_t22_partition)
 	struct storm storm;
 	struct proxy x;
 	kl_provider *pp, *dp;
-	struct events ev, evc, evb;
+	struct test_events ev, evc, evb;
 	kl_lock *l, *lc, *lb;
 	kl_lease *lease, *busy;
 	kl_error err;
@@ -2012,12 +1963,12 @@ START_TEST(test_t22_partition)
 		atomic_store(&x.mode, BH_OFF);
 		for (int i = 0; i < 4; i++)
 			test_thread_join(w[i].th);
-		ck_assert_int_eq(events_wait(&ev, KL_EV_LOST), 1);
+		ck_assert_int_eq(tev_wait(&ev, KL_EV_LOST, 3000), 1);
 		kl_lease_release(lease);
-		ck_assert_int_eq(events_count(&ev, KL_EV_RELEASED), 0);
+		ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 0);
 		ck_assert(kl_lease_valid(theirs));
 		kl_lease_release(theirs);
-		ck_assert_int_eq(events_count(&evc, KL_EV_RELEASED), 1);
+		ck_assert_int_eq(tev_count(&evc, KL_EV_RELEASED), 1);
 		kl_lock_free(l);
 		kl_lock_free(lc);
 		for (int i = 0; i < 4; i++)
@@ -2075,7 +2026,7 @@ START_TEST(test_t22_lost_grant_reply)
 			   "heartbeat=400ms&restart_guard=0";
 	struct proxy x;
 	kl_provider *pp, *dp;
-	struct events evh, evw, evc;
+	struct test_events evh, evw, evc;
 	struct lr_holder w, cw;
 	kl_lock *lh;
 	kl_lease *first;
@@ -2258,7 +2209,7 @@ rmw_client_main(void *arg)
 {
 	struct rmw_client *k = arg;
 	struct rmw *m = k->m;
-	struct events ev;
+	struct test_events ev;
 	kl_lock *l = lock_make(k->p, "set", 1000, RMW_TTL, &ev);
 	unsigned char *buf = malloc(RMW_ELEMS / 8);
 

@@ -121,6 +121,48 @@ test_thread_join(pthread_t t)
 	ck_assert_msg(rc == 0, "pthread_join: %s", strerror(rc));
 }
 
+void
+tev_init(struct test_events *e)
+{
+	memset(e, 0, sizeof *e);
+	pthread_mutex_init(&e->mu, NULL);
+}
+
+void
+tev_record(const kl_event *ev, void *arg)
+{
+	struct test_events *e = arg;
+
+	pthread_mutex_lock(&e->mu);
+	if (ev->type <= KL_EV_LOST)
+		e->n[ev->type]++;
+	if (ev->type == KL_EV_LOST && e->lost_ns == 0)
+		e->lost_ns = now_ns();
+	e->last_status = ev->status;
+	pthread_mutex_unlock(&e->mu);
+}
+
+int
+tev_count(struct test_events *e, kl_event_type t)
+{
+	int n;
+
+	pthread_mutex_lock(&e->mu);
+	n = e->n[t];
+	pthread_mutex_unlock(&e->mu);
+	return n;
+}
+
+int
+tev_wait(struct test_events *e, kl_event_type t, int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+
+	while (tev_count(e, t) == 0 && now_ms() < limit)
+		test_sleep_ms(2);
+	return tev_count(e, t);
+}
+
 struct queue_cond {
 	kl_mutex *m;
 	kl_reset_event *e;

@@ -49,6 +49,21 @@ void test_poll(bool (*cond)(void *arg), void *arg, const char *what);
 void test_thread_start(pthread_t *t, void *(*fn)(void *arg), void *arg);
 void test_thread_join(pthread_t t);
 
+/* A lock's events, recorded: kl_lock_opts.on_event = tev_record
+ * with event_arg = the recorder.  Counts per type, when the first
+ * KL_EV_LOST came (now_ns), and the last status.  Any thread. */
+struct test_events {
+	pthread_mutex_t mu;
+	int n[KL_EV_LOST + 1];
+	int64_t lost_ns;
+	int last_status;
+};
+void tev_init(struct test_events *e);
+void tev_record(const kl_event *ev, void *arg);
+int tev_count(struct test_events *e, kl_event_type t);
+/* Polls up to limit_ms until e has an event of type t; returns how many. */
+int tev_wait(struct test_events *e, kl_event_type t, int64_t limit_ms);
+
 /* Polls until the queue size is exactly n (test thread only). */
 void test_wait_mutex_queue(kl_mutex *m, size_t n);
 void test_wait_event_queue(kl_reset_event *e, size_t n);
