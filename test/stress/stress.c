@@ -424,6 +424,22 @@ st_thread_join(pthread_t t)
 	st_assert(rc == 0, "pthread_join: %s", strerror(rc));
 }
 
+bool
+st_drain(atomic_int *exited, int n, atomic_bool *tripped,
+	 kl_reset_event *const *ev, int nev)
+{
+	int64_t limit = now_ns() + 20000 * ST_MS * st_slow();
+
+	while (atomic_load(exited) < n && !atomic_load(tripped)) {
+		if (now_ns() > limit)
+			return false;
+		for (int e = 0; e < nev; e++)
+			kl_reset_event_set(ev[e]);
+		test_sleep_ms(1);
+	}
+	return true;
+}
+
 struct crew_member {
 	struct st_crew *c;
 	int i;

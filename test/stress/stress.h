@@ -140,6 +140,12 @@ void st_thread_start(pthread_t *t, size_t stack, void *(*fn)(void *arg),
 int st_thread_try_start(pthread_t *t, size_t stack, void *(*fn)(void *arg),
 			void *arg);
 void st_thread_join(pthread_t t);
+/* After telling workers to stop: waits until *exited reaches n or *tripped
+ * is set, setting the nev events every millisecond (workers may all be
+ * waiting on them).  Returns false when they did not stop within 20 s
+ * (times st_slow): the caller trips its watchdog. */
+bool st_drain(atomic_int *exited, int n, atomic_bool *tripped,
+	      kl_reset_event *const *ev, int nev);
 
 /*
  * A crew: n persistent threads, each running job(crew, i) once per

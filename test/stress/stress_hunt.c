@@ -649,30 +649,11 @@ hunt_run(const char *name, double share)
 		kl_reset_event_set(h.ev[st_below(&r, H_EVENTS)]);
 	}
 	atomic_store(&h.stop, true);
-	{
-		int64_t limit = now_ns() + 20000 * ST_MS * st_slow();
-
-		while (atomic_load(&h.exited) < H_THREADS &&
-		       !atomic_load(&h.trip)) {
-			if (now_ns() > limit) {
-				trip(&h, "threads did not stop within 20 s");
-				break;
-			}
-			for (int e = 0; e < H_EVENTS; e++)
-				kl_reset_event_set(h.ev[e]);
-			test_sleep_ms(1);
-		}
-	}
-	if (atomic_load(&h.trip)) {
-		/* Stuck threads cannot be joined: fail now.  The child
-		 * process (CK_FORK) takes them with it. */
-		if (!st_forked()) {
-			fprintf(stderr, "stress: T06 tripped with CK_FORK=no: "
-					"aborting the process\n");
-			abort();
-		}
-		st_assert(!atomic_load(&h.trip), "watchdog: %s", h.trip_msg);
-	}
+	if (!st_drain(&h.exited, H_THREADS, &h.trip, h.ev, H_EVENTS))
+		trip(&h, "threads did not stop within 20 s");
+	/* Stuck threads cannot be joined: this fails the test at once (and
+	 * ends the process under CK_FORK=no: see st_fail_prepare). */
+	st_assert(!atomic_load(&h.trip), "watchdog: %s", h.trip_msg);
 	wall = (now_ns() - t0) / ST_MS;
 	atomic_store(&h.wd_stop, true);
 	st_thread_join(wd);

@@ -733,30 +733,11 @@ START_TEST(test_t27_soak)
 		}
 	}
 	atomic_store(&s.stop, true);
-	{
-		int64_t limit = now_ns() + 20000 * ST_MS * st_slow();
-
-		while (atomic_load(&s.exited) < S_THREADS &&
-		       !atomic_load(&s.trip)) {
-			if (now_ns() > limit) {
-				trip(&s, "threads did not stop within 20 s");
-				break;
-			}
-			for (int e = 0; e < S_FREE_EVENTS; e++)
-				kl_reset_event_set(s.ev[e]);
-			test_sleep_ms(1);
-		}
-	}
-	if (atomic_load(&s.trip)) {
-		/* Stuck threads cannot be joined: fail now (the child
-		 * process, CK_FORK, takes them with it). */
-		if (!st_forked()) {
-			fprintf(stderr, "stress: T27 tripped with CK_FORK=no: "
-					"aborting the process\n");
-			abort();
-		}
-		st_assert(!atomic_load(&s.trip), "watchdog: %s", s.trip_msg);
-	}
+	if (!st_drain(&s.exited, S_THREADS, &s.trip, s.ev, S_FREE_EVENTS))
+		trip(&s, "threads did not stop within 20 s");
+	/* Stuck threads cannot be joined: this fails the test at once (and
+	 * ends the process under CK_FORK=no: see st_fail_prepare). */
+	st_assert(!atomic_load(&s.trip), "watchdog: %s", s.trip_msg);
 	wall_ms = (now_ns() - s.t0) / ST_MS;
 	atomic_store(&s.wd_stop, true);
 	st_thread_join(wd);
