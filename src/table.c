@@ -7,13 +7,29 @@
  * world.  The shard mutex is also the lock of every wait queue in the shard:
  * an entry's hand-off and its removal are decided under one lock.
  *
- * Invariant: an entry exists exactly while its key is held.  Waiters queue
- * only on a held key, and a release either hands the key to the head waiter
- * (the entry stays) or, with no waiter left, unlinks and frees the entry
- * (or keeps it as its shard's one spare, not an entry any more).
- * A waiter that times out or is cancelled only unlinks itself; the key is
- * still held then, so it never has to free anything, and after failing it
- * never touches the entry again (a release may free it at once).
+ * An entry is linked while its key is held, and a few more stay linked
+ * while idle: each shard keeps the entries of the last NKEPT keys released
+ * ("kept"), so that a key taken and given back over and over costs no
+ * insert, no unlink and no allocation, and its holder can give it back
+ * without the shard lock.  Every other entry is unlinked by the release
+ * that leaves it with no holder and no waiter, so idle memory stays
+ * bounded by NKEPT entries per shard.
+ *
+ * An entry's state word (E_HELD, E_WAITERS, E_KEPT) changes under the shard
+ * lock, with one exception: the holder of a kept entry with no waiter marked
+ * releases it with one compare-and-swap, HELD|KEPT -> KEPT.  Everything else
+ * is written so that this CAS cannot succeed when the lock-holder relies on
+ * the word staying put: a waiter sets E_WAITERS (by CAS, as the holder may
+ * be releasing) before it queues, and only a release under the lock clears
+ * it.  A stale E_WAITERS (the waiter timed out) only sends the next release
+ * through the lock, which finds nobody to hand to.  Acquirers take a free
+ * entry under the lock, where nothing else can change a free entry, and an
+ * eviction frees only a free kept entry, under the lock: after its CAS, a
+ * releaser never touches the entry again.
+ * Waiters queue only on a held key.  A waiter that times out or is cancelled
+ * only unlinks itself; the key is still held then, so it never has to free
+ * anything, and after failing it never touches the entry again (a release
+ * may free it at once).
  *
  * Keys are hashed with seeded SipHash (hash.c); the top bits pick the shard,
  * the low bits the bucket.
@@ -22,9 +38,10 @@
 
 #include <string.h>
 
+#include "annotate.h"
 #include "table.h"
 
-#define NSHARDS 64
+#define NSHARDS KL__TABLE_SHARDS
 #define MIN_BUCKETS 8
 /* Key bytes (NUL included) every entry has room for: entries of keys that
  * fit are all one size, so a shard keeps one of them spare (see release). */
@@ -41,8 +58,15 @@
 #ifndef KEEP_SPARE
 #define KEEP_SPARE 1
 #endif
+#define NKEPT KL__TABLE_KEPT
+#define KEEP_KEY_MAX KL__TABLE_KEEP_KEY_MAX
 
-/* 56 bytes and the key: with a key of up to 15 bytes an entry is one
+/* The state word of an entry. */
+#define E_HELD 1u    /* a holder has the key */
+#define E_WAITERS 2u /* a waiter may be queued: release under the lock */
+#define E_KEPT 4u    /* in its shard's kept[]; free when not E_HELD */
+
+/* 60 bytes and the key: with a key of up to 15 bytes an entry is one
  * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
  * kl__entry_lock). */
 struct kl__entry {
@@ -53,6 +77,7 @@ struct kl__entry {
 	uint64_t owner_tid; /* kl__thread_id() of the holder */
 	uint64_t fence;     /* the holder's fence */
 	kl_lock *lock;      /* for the holder's use: see kl__entry_lock */
+	atomic_uint state;  /* E_* */
 	char key[];         /* len bytes and a NUL */
 };
 
@@ -63,8 +88,12 @@ struct shard {
 	 * a key taken and given back over and over allocates nothing.  At
 	 * most one per shard, so idle memory stays bounded. */
 	struct kl__entry *spare;
+	/* Linked entries kept while idle (NULL: a free slot), and the slot
+	 * the next one replaces when none is free. */
+	struct kl__entry *kept[NKEPT];
+	unsigned kept_next;
 	size_t mask; /* buckets - 1; 0 while no bucket array exists */
-	size_t count; /* entries */
+	size_t count; /* linked entries, kept idle ones included */
 	uint64_t fence;
 	uint64_t lookups, probes;
 } __attribute__((aligned(64)));
@@ -121,9 +150,20 @@ kl__table_free(struct kl__table *t)
 				"keys held\n", kl__table_size(t));
 #endif
 	for (int i = 0; i < NSHARDS; i++) {
-		pthread_mutex_destroy(&t->shards[i].lock);
-		kl__free(t->shards[i].buckets);
-		kl__free(t->shards[i].spare);
+		struct shard *s = &t->shards[i];
+
+		/* Only kept idle entries are still linked. */
+		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++) {
+			struct kl__entry *e = s->buckets[b], *next;
+
+			for (; e != NULL; e = next) {
+				next = e->next;
+				kl__free(e);
+			}
+		}
+		pthread_mutex_destroy(&s->lock);
+		kl__free(s->buckets);
+		kl__free(s->spare);
 	}
 	kl__free(t);
 }
@@ -143,6 +183,12 @@ static struct shard *
 shard_of(struct kl__table *t, uint32_t h)
 {
 	return &t->shards[h >> 26];
+}
+
+unsigned
+kl__table_shard_of(const char *key, size_t len)
+{
+	return hash_of(key, len) >> 26;
 }
 
 static struct kl__entry *
@@ -211,6 +257,8 @@ insert(struct shard *s, uint32_t h, const char *key,
 	}
 	e->hash = h;
 	e->len = (uint32_t)len;
+	KL_ANNOTATE_ATOMIC(&e->state);
+	atomic_store_explicit(&e->state, E_HELD, memory_order_relaxed);
 	kl__waitq_init(&e->q, &s->lock);
 	e->owner_tid = kl__thread_id();
 	e->fence = 0;
@@ -257,6 +305,40 @@ take_new(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
 	return rc;
 }
 
+/* Takes e, a free kept entry, for the caller.  Lock held: nothing else
+ * changes a free entry's state then.  The acquire load that found it free
+ * pairs with the releaser's CAS, so its holder's writes are visible. */
+static void
+take_idle(struct shard *s, struct kl__entry *e, uint32_t st,
+	  struct kl__entry **out, uint64_t *fence)
+{
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	e->owner_tid = kl__thread_id();
+	e->lock = NULL;
+	*fence = e->fence = ++s->fence;
+	atomic_store_explicit(&e->state, st | E_HELD, memory_order_relaxed);
+	*out = e;
+}
+
+/* Marks e as waited for before a waiter queues, so that its holder
+ * releases through the lock.  Lock held.  Returns false, and the free
+ * state in *st, when the holder gave the key back meanwhile. */
+static bool
+mark_waiting(struct kl__entry *e, uint32_t *st)
+{
+	uint32_t v = atomic_load_explicit(&e->state, memory_order_acquire);
+
+	while (v & E_HELD) {
+		if ((v & E_WAITERS) ||
+		    atomic_compare_exchange_weak_explicit(
+			    &e->state, &v, v | E_WAITERS, memory_order_acquire,
+			    memory_order_acquire))
+			return true;
+	}
+	*st = v;
+	return false;
+}
+
 /* Whether a caller that finds e held must fail rather than wait: KL_EDEADLK,
  * KL_ETIMEDOUT, or KL_OK to wait.  Lock held. */
 static int
@@ -269,18 +351,24 @@ refusal(const struct kl__entry *e, int64_t deadline_ns, unsigned flags)
 	return KL_OK;
 }
 
-/* Waits as w (prepared) for e, held by another.  Lock held on entry,
- * released on return. */
+/* Waits as w (prepared) for e, found held.  Lock held on entry, released
+ * on return. */
 static int
 wait_held(struct shard *s, struct kl__entry *e, struct kl__waiter *w,
 	  int64_t deadline_ns, unsigned flags, struct kl__entry **out,
 	  uint64_t *fence)
 {
+	uint32_t st;
 	int rc;
 
 	if ((rc = refusal(e, deadline_ns, flags)) != KL_OK) {
 		pthread_mutex_unlock(&s->lock);
 		return rc;
+	}
+	if (!mark_waiting(e, &st)) {
+		take_idle(s, e, st, out, fence);
+		pthread_mutex_unlock(&s->lock);
+		return KL_OK;
 	}
 	rc = kl__waitq_wait(&e->q, w, deadline_ns, KL_UNBOUNDED,
 			    KL_OVERFLOW_THIS);
@@ -316,6 +404,7 @@ acquire_cancellable(struct kl__table *t, struct shard *s, uint32_t h,
 {
 	struct kl__waiter w;
 	struct kl__entry *e;
+	uint32_t st;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
@@ -330,6 +419,12 @@ acquire_cancellable(struct kl__table *t, struct shard *s, uint32_t h,
 		pthread_mutex_unlock(&s->lock);
 	} else if ((e = find(s, h, key, len)) == NULL) {
 		rc = take_new(t, s, h, key, len, out, fence);
+		pthread_mutex_unlock(&s->lock);
+	} else if (!((st = atomic_load_explicit(&e->state,
+					       memory_order_acquire)) &
+		     E_HELD)) {
+		take_idle(s, e, st, out, fence);
+		rc = KL_OK;
 		pthread_mutex_unlock(&s->lock);
 	} else {
 		rc = wait_held(s, e, &w, deadline_ns, flags, out, fence);
@@ -346,6 +441,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	uint32_t h = hash_of(key, len);
 	struct shard *s = shard_of(t, h);
 	struct kl__entry *e;
+	uint32_t st;
 	int rc;
 
 	*out = NULL;
@@ -354,9 +450,16 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		return acquire_cancellable(t, s, h, key, len, deadline_ns, c,
 					   flags, out, fence);
 	pthread_mutex_lock(&s->lock);
-	if ((e = find(s, h, key, len)) != NULL)
+	if ((e = find(s, h, key, len)) == NULL) {
+		rc = take_new(t, s, h, key, len, out, fence);
+	} else if (!((st = atomic_load_explicit(&e->state,
+					       memory_order_acquire)) &
+		     E_HELD)) {
+		take_idle(s, e, st, out, fence);
+		rc = KL_OK;
+	} else {
 		return acquire_held(s, e, deadline_ns, flags, out, fence);
-	rc = take_new(t, s, h, key, len, out, fence);
+	}
 	pthread_mutex_unlock(&s->lock);
 	return rc;
 }
@@ -386,30 +489,108 @@ kl__entry_of_lock(kl_lock **word)
 					    offsetof(struct kl__entry, lock));
 }
 
-void
-kl__table_release(struct kl__table *t, struct kl__entry *e)
+/* What to free of e, just unlinked: nothing when it becomes the spare. */
+static struct kl__entry *
+to_spare(struct shard *s, struct kl__entry *e)
 {
-	struct shard *s = shard_of(t, e->hash);
+	if (KEEP_SPARE && e->len < INLINE_KEY && s->spare == NULL) {
+		s->spare = e;
+		return NULL;
+	}
+	return e;
+}
+
+/* e, just released with no waiter, and not kept: keeps it in a free slot
+ * or in place of a free kept entry, else unlinks it.  Returns the entry to
+ * free, if any.  Lock held. */
+static struct kl__entry *
+retire(struct shard *s, struct kl__entry *e)
+{
+	if (e->len < KEEP_KEY_MAX) {
+		for (unsigned i = 0; i < NKEPT; i++) {
+			unsigned slot = (s->kept_next + i) % NKEPT;
+			struct kl__entry *v = s->kept[slot];
+
+			if (v != NULL && atomic_load_explicit(
+						 &v->state,
+						 memory_order_acquire) != E_KEPT)
+				continue; /* held: its holder may use it */
+			s->kept[slot] = e;
+			s->kept_next = (slot + 1) % NKEPT;
+			atomic_store_explicit(&e->state, E_KEPT,
+					      memory_order_relaxed);
+			if (v == NULL)
+				return NULL;
+			KL_ANNOTATE_HAPPENS_AFTER(&v->state);
+			unlink_entry(s, v);
+			return to_spare(s, v);
+		}
+	}
+	unlink_entry(s, e);
+	return to_spare(s, e);
+}
+
+/* kl__table_release when the CAS cannot do: waiters marked, or not kept. */
+static __attribute__((noinline)) void
+release_locked(struct shard *s, struct kl__entry *e)
+{
 	struct kl__waiter *w;
 	void *wake = NULL;
+	uint32_t st;
 
 	pthread_mutex_lock(&s->lock);
+	/* Only this lock's holder changes the word now: the CAS of a
+	 * releaser needs HELD|KEPT alone, and the caller is the holder. */
+	st = atomic_load_explicit(&e->state, memory_order_relaxed);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
 		e->owner_tid = w->tid;
 		w->data = e->fence = ++s->fence;
+		if (e->q.len == 0)
+			atomic_store_explicit(&e->state, st & ~E_WAITERS,
+					      memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
+	} else if (st & E_KEPT) {
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+		atomic_store_explicit(&e->state, E_KEPT, memory_order_release);
+		e = NULL;
 	} else {
-		unlink_entry(s, e);
-		if (KEEP_SPARE && e->len < INLINE_KEY && s->spare == NULL) {
-			s->spare = e;
-			e = NULL;
-		}
+		e = retire(s, e);
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
 	kl__unpark(wake);
 	kl__free(e);
+}
+
+void
+kl__table_release(struct kl__table *t, struct kl__entry *e)
+{
+	uint32_t st = E_HELD | E_KEPT;
+
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	/* Release order: the next holder, which loads the word under the
+	 * shard lock, sees what this one wrote.  After it, e may be freed. */
+	if (atomic_compare_exchange_strong_explicit(&e->state, &st, E_KEPT,
+						    memory_order_release,
+						    memory_order_relaxed))
+		return;
+	release_locked(shard_of(t, e->hash), e);
+}
+
+/* Kept entries of s that are free.  Lock held. */
+static size_t
+idle_of(const struct shard *s)
+{
+	size_t n = 0;
+
+	for (unsigned i = 0; i < NKEPT; i++)
+		if (s->kept[i] != NULL &&
+		    !(atomic_load_explicit(&s->kept[i]->state,
+					   memory_order_relaxed) &
+		      E_HELD))
+			n++;
+	return n;
 }
 
 size_t
@@ -420,7 +601,7 @@ kl__table_size(struct kl__table *t)
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_lock(&t->shards[i].lock);
 	for (int i = 0; i < NSHARDS; i++)
-		n += t->shards[i].count;
+		n += t->shards[i].count - idle_of(&t->shards[i]);
 	for (int i = NSHARDS - 1; i >= 0; i--)
 		pthread_mutex_unlock(&t->shards[i].lock);
 	return n;
@@ -436,7 +617,9 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 
 	pthread_mutex_lock(&s->lock);
 	e = find(s, h, key, len);
-	*holders = e != NULL;
+	*holders = e != NULL && (atomic_load_explicit(&e->state,
+						      memory_order_relaxed) &
+				 E_HELD);
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -459,7 +642,8 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 		struct shard *s = &t->shards[i];
 
 		pthread_mutex_lock(&s->lock);
-		out->entries += s->count;
+		out->entries += s->count - idle_of(s);
+		out->idle += idle_of(s);
 		out->lookups += s->lookups;
 		out->probes += s->probes;
 		if (s->buckets != NULL) {
@@ -481,12 +665,51 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 #ifdef KL_TEST_HOOKS
 /* GCOVR_EXCL_START: invariant checks of the test build; their failure
  * branches run only on a broken invariant, and users never get them. */
+static bool
+kept_slot(const struct shard *s, const struct kl__entry *e)
+{
+	for (unsigned i = 0; i < NKEPT; i++)
+		if (s->kept[i] == e)
+			return true;
+	return false;
+}
+
+/* kept[]: no entry twice, each one linked (check_entry checks the rest). */
+static int
+check_kept(struct shard *s, int i)
+{
+	for (unsigned k = 0; k < NKEPT; k++) {
+		struct kl__entry *v = s->kept[k], *e = NULL;
+
+		if (v == NULL)
+			continue;
+		for (unsigned j = k + 1; j < NKEPT; j++)
+			if (s->kept[j] == v) {
+				kl__test_report("shard %d: kept[%u] and "
+						"kept[%u] are one entry",
+						i, k, j);
+				return KL_EINVAL;
+			}
+		if (s->buckets != NULL)
+			for (e = s->buckets[v->hash & s->mask];
+			     e != NULL && e != v; e = e->next)
+				;
+		if (e == NULL) {
+			kl__test_report("shard %d: kept[%u] is not linked", i,
+					k);
+			return KL_EINVAL;
+		}
+	}
+	return KL_OK;
+}
+
 /* One entry of shard i, found in bucket b.  Lock held. */
 static int
 check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 {
 	struct shard *s = &t->shards[i];
 	char shown[72], what[112];
+	unsigned st;
 
 	kl__key_printable(shown, sizeof shown, e->key, e->len);
 	if (e == s->spare) {
@@ -513,6 +736,35 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
+	st = atomic_load_explicit(&e->state, memory_order_acquire);
+	if (st & ~(E_HELD | E_WAITERS | E_KEPT)) {
+		kl__test_report("shard %d: entry '%s' has state %#x", i,
+				shown, st);
+		return KL_EINVAL;
+	}
+	if (!(st & E_KEPT) != !kept_slot(s, e)) {
+		kl__test_report("shard %d: entry '%s' is %skept but %sin "
+				"kept[]",
+				i, shown, (st & E_KEPT) ? "" : "not ",
+				kept_slot(s, e) ? "" : "not ");
+		return KL_EINVAL;
+	}
+	/* A kept entry's holder may give it back at any moment, so only a
+	 * word with waiters or without E_KEPT is stable here. */
+	if (!(st & (E_HELD | E_KEPT)) ||
+	    (!(st & E_HELD) && (st & E_WAITERS))) {
+		kl__test_report("shard %d: entry '%s' is linked, free and "
+				"not kept (state %#x)",
+				i, shown, st);
+		return KL_EINVAL;
+	}
+	if (e->q.len > 0 && st != (E_HELD | E_WAITERS) &&
+	    st != (E_HELD | E_WAITERS | E_KEPT)) {
+		kl__test_report("shard %d: entry '%s' has %zu waiters, state "
+				"%#x",
+				i, shown, e->q.len, st);
+		return KL_EINVAL;
+	}
 	if (e->owner_tid == 0) {
 		kl__test_report("shard %d: entry '%s' has no holder", i,
 				shown);
@@ -542,6 +794,8 @@ check_shard(struct kl__table *t, int i)
 				(unsigned)s->spare->len);
 		rc = KL_EINVAL;
 	}
+	if (check_kept(s, i) != KL_OK)
+		rc = KL_EINVAL;
 	if (s->buckets == NULL) {
 		if (count != 0 || s->mask != 0) {
 			kl__test_report("shard %d: no buckets, count %zu, "

@@ -248,6 +248,211 @@ START_TEST(test_entry_reused_sequentially)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Kept entries: the last keys released stay linked, idle               */
+
+static struct kl__table_stats
+stats_of(struct kl__table *t)
+{
+	struct kl__table_stats st;
+
+	kl__table_stats(t, &st);
+	return st;
+}
+
+START_TEST(test_kept_entry_idle_and_reused)
+{
+	struct kl__table *t = table_new();
+	struct kl__entry *e, *again;
+	uint64_t f1, f2;
+
+	ck_assert_int_eq(acquire(t, "hot", 3, past(), &e, &f1), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_eq(stats_of(t).entries, 0);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+
+	/* Taken again: the same entry, held, a larger fence. */
+	ck_assert_int_eq(acquire(t, "hot", 3, past(), &again, &f2), KL_OK);
+	ck_assert_ptr_eq(again, e);
+	ck_assert_uint_gt(f2, f1);
+	ck_assert_uint_eq(kl__table_size(t), 1);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_int_eq(other_try(t, "hot", 3, 0), KL_ETIMEDOUT);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, again);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(other_try(t, "hot", 3, 0), KL_OK);
+
+	/* Long keys are never kept. */
+	{
+		char big[KL__TABLE_KEEP_KEY_MAX + 8];
+
+		memset(big, 'b', sizeof big);
+		ck_assert_int_eq(acquire(t, big, sizeof big, past(), &e,
+					 NULL),
+				 KL_OK);
+		kl__table_release(t, e);
+		ck_assert_uint_eq(stats_of(t).idle, 1); /* "hot" only */
+	}
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
+/* A kept, held entry with waiters must be handed over in order, not given
+ * back by the holder's compare-and-swap. */
+START_TEST(test_kept_entry_hands_off_in_order)
+{
+	struct kl__table *t = table_new();
+	struct tthread w[3];
+	struct kl__entry *e;
+	atomic_int next = 0;
+
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	for (int i = 0; i < 3; i++) {
+		memset(&w[i], 0, sizeof w[i]);
+		w[i].next_seq = &next;
+		tthread_start(&w[i], t, "k", 1, in_ms(30000));
+		wait_queue(t, "k", 1, (size_t)i + 1);
+	}
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, e);
+	for (int i = 0; i < 3; i++) {
+		tthread_join(&w[i]);
+		ck_assert_int_eq(w[i].rc, KL_OK);
+		ck_assert_int_eq(w[i].seq, i);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
+/* A waiter that times out leaves its mark on the entry: the next release
+ * goes through the lock, finds nobody, and leaves the entry idle. */
+START_TEST(test_kept_entry_after_waiter_timed_out)
+{
+	struct kl__table *t = table_new();
+	struct tthread w;
+	struct kl__entry *e;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	tthread_start(&w, t, "k", 1, in_ms(30));
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl__table_queue_size(t, "k", 1), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	ck_assert_int_eq(other_try(t, "k", 1, 0), KL_OK);
+	/* And the mark is gone: a fresh holder and waiter work as ever. */
+	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
+	tthread_start(&w, t, "k", 1, in_ms(30000));
+	wait_queue(t, "k", 1, 1);
+	kl__table_release(t, e);
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	kl__table_free(t);
+}
+END_TEST
+
+/* n keys of the form "<prefix><i>" that all fall in the shard of "k0". */
+#define SAME_SHARD_KEYS (KL__TABLE_KEPT + 2)
+
+static void
+same_shard_keys(char keys[][24], int n)
+{
+	unsigned want = kl__table_shard_of("k0", 2);
+
+	snprintf(keys[0], 24, "k0");
+	for (int i = 1, j = 1; i < n; j++) {
+		snprintf(keys[i], 24, "k%d", j);
+		if (kl__table_shard_of(keys[i], strlen(keys[i])) == want)
+			i++;
+	}
+}
+
+START_TEST(test_kept_entries_bounded_per_shard)
+{
+	struct kl__table *t = table_new();
+	char keys[SAME_SHARD_KEYS][24];
+	struct kl__entry *e[SAME_SHARD_KEYS];
+	const int kept = KL__TABLE_KEPT;
+
+	same_shard_keys(keys, SAME_SHARD_KEYS);
+	/* Released one by one: the shard keeps only the last KEPT. */
+	for (int i = 0; i < SAME_SHARD_KEYS; i++) {
+		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
+					 &e[i], NULL),
+				 KL_OK);
+		kl__table_release(t, e[i]);
+		ck_assert_uint_eq(stats_of(t).idle,
+				  (size_t)(i + 1 < kept ? i + 1 : kept));
+		ck_assert_int_eq(kl__table_check(t), KL_OK);
+	}
+	/* Hold the kept ones: a release of another key cannot evict a held
+	 * entry, so that entry goes. */
+	for (int i = SAME_SHARD_KEYS - kept; i < SAME_SHARD_KEYS; i++)
+		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
+					 &e[i], NULL),
+				 KL_OK);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_int_eq(acquire(t, keys[0], 2, past(), &e[0], NULL), KL_OK);
+	kl__table_release(t, e[0]);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_uint_eq(stats_of(t).entries, (size_t)kept);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* Given back without the lock, they are idle again, and the next
+	 * release of another key evicts one of them. */
+	for (int i = SAME_SHARD_KEYS - kept; i < SAME_SHARD_KEYS; i++)
+		kl__table_release(t, e[i]);
+	ck_assert_uint_eq(stats_of(t).idle, (size_t)kept);
+	ck_assert_int_eq(acquire(t, keys[0], 2, past(), &e[0], NULL), KL_OK);
+	kl__table_release(t, e[0]);
+	ck_assert_uint_eq(stats_of(t).idle, (size_t)kept);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	for (int i = 0; i < SAME_SHARD_KEYS; i++)
+		ck_assert_int_eq(other_try(t, keys[i], strlen(keys[i]), 0),
+				 KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
+START_TEST(test_kept_entries_bounded_overall)
+{
+	struct kl__table *t = table_new();
+	char key[32];
+
+	for (int i = 0; i < 5000; i++) {
+		struct kl__entry *e;
+		int n = snprintf(key, sizeof key, "user:%d", i);
+
+		ck_assert_int_eq(acquire(t, key, (size_t)n, past(), &e, NULL),
+				 KL_OK);
+		kl__table_release(t, e);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_le(stats_of(t).idle,
+			  (size_t)KL__TABLE_SHARDS * KL__TABLE_KEPT);
+	ck_assert_uint_gt(stats_of(t).idle, 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t); /* frees the idle entries: LSan and Valgrind */
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 /* Order and independence                                              */
 
 #define FIFO_N 8
@@ -486,7 +691,7 @@ START_TEST(test_cancel_prefired)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-/* The bug hunt: the last release (entry freed) racing a new acquire    */
+/* The bug hunt: the last release (entry freed or kept) racing acquires */
 
 #define RACE_THREADS 4
 #define RACE_MAX_KEYS 4
@@ -495,6 +700,8 @@ struct race {
 	struct kl__table *t;
 	int nkeys;
 	long rounds;
+	bool mixed; /* also try once and wait 1 ms: marks left by waiters */
+	atomic_long timeouts; /* how many depends on the schedule */
 	volatile int inside[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	uint64_t last_fence[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	atomic_long violations;
@@ -529,8 +736,20 @@ race_main(void *arg)
 		k = (int)(x % (uint32_t)r->nkeys);
 		/* Bounded, so that a lost entry fails the test in 30 s
 		 * instead of hanging it. */
-		if (kl__table_acquire(r->t, race_keys[k], 4, in_ms(30000),
-				      NULL, 0, &e, &fence) != KL_OK) {
+		int64_t deadline = in_ms(30000);
+		int rc;
+
+		if (r->mixed && (x >> 8) % 3 == 0)
+			deadline = past();
+		else if (r->mixed && (x >> 8) % 3 == 1)
+			deadline = in_ms(1);
+		rc = kl__table_acquire(r->t, race_keys[k], 4, deadline, NULL,
+				       0, &e, &fence);
+		if (rc == KL_ETIMEDOUT && deadline < in_ms(2)) {
+			atomic_fetch_add(&r->timeouts, 1);
+			continue;
+		}
+		if (rc != KL_OK) {
 			atomic_fetch_add(&r->errors, 1);
 			continue;
 		}
@@ -549,17 +768,19 @@ race_main(void *arg)
 	return NULL;
 }
 
-START_TEST(test_last_release_races_acquire)
+static void
+race_run(bool mixed)
 {
 	struct race_worker w[RACE_THREADS];
 	struct race r;
 	struct kl__table_stats st;
 	long errors, violations, fence_errors;
 
-	for (int nkeys = 2; nkeys <= RACE_MAX_KEYS; nkeys++) {
+	for (int nkeys = mixed ? 1 : 2; nkeys <= RACE_MAX_KEYS; nkeys++) {
 		memset(&r, 0, sizeof r);
 		r.t = table_new();
 		r.nkeys = nkeys;
+		r.mixed = mixed;
 		r.rounds = kl_test_scaled(100000, 1000);
 		for (int i = 0; i < RACE_THREADS; i++) {
 			w[i].r = &r;
@@ -584,8 +805,22 @@ START_TEST(test_last_release_races_acquire)
 		ck_assert_uint_eq(st.entries, 0);
 		for (int k = 0; k < nkeys; k++)
 			ck_assert_int_eq(r.inside[k], 0);
+		ck_assert_int_eq(kl__table_check(r.t), KL_OK);
 		kl__table_free(r.t);
 	}
+}
+
+START_TEST(test_last_release_races_acquire)
+{
+	race_run(false);
+}
+END_TEST
+
+/* Kept entries given back by CAS while others try once or time out and
+ * leave marks: still one holder at a time, every fence larger. */
+START_TEST(test_kept_release_races_timeouts)
+{
+	race_run(true);
 }
 END_TEST
 
@@ -1088,6 +1323,11 @@ table_suite(void)
 	tc = tcase_create("lifecycle");
 	tcase_add_test(tc, test_entry_freed_on_last_release);
 	tcase_add_test(tc, test_entry_reused_sequentially);
+	tcase_add_test(tc, test_kept_entry_idle_and_reused);
+	tcase_add_test(tc, test_kept_entry_hands_off_in_order);
+	tcase_add_test(tc, test_kept_entry_after_waiter_timed_out);
+	tcase_add_test(tc, test_kept_entries_bounded_per_shard);
+	tcase_add_test(tc, test_kept_entries_bounded_overall);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("order");
@@ -1109,6 +1349,7 @@ table_suite(void)
 	tc = tcase_create("race");
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_last_release_races_acquire);
+	tcase_add_test(tc, test_kept_release_races_timeouts);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("keys");
