@@ -20,7 +20,7 @@ kl__now_ns(void)
 }
 
 int64_t
-kl__deadline(int64_t timeout_ms)
+kl__deadline_of(int64_t timeout_ms)
 {
 	int64_t now;
 

@@ -154,3 +154,11 @@ kl__hash(const void *data, size_t len)
 	pthread_once(&seed_once, seed_init);
 	return kl__siphash(seed[0], seed[1], data, len);
 }
+
+void
+kl__hash_seed(uint64_t *k0, uint64_t *k1)
+{
+	pthread_once(&seed_once, seed_init);
+	*k0 = seed[0];
+	*k1 = seed[1];
+}

@@ -40,7 +40,14 @@ KL_HIDDEN char *kl__strndup(const char *s, size_t n);
 KL_HIDDEN int64_t kl__now_ns(void);
 /* Absolute deadline for timeout_ms from now, saturating at KL_NO_DEADLINE.
  * KL_FOREVER and values past the clock's range give KL_NO_DEADLINE. */
-KL_HIDDEN int64_t kl__deadline(int64_t timeout_ms);
+KL_HIDDEN int64_t kl__deadline_of(int64_t timeout_ms);
+/* Inline, so that a lock that waits forever reads no clock and calls
+ * nothing. */
+static inline int64_t
+kl__deadline(int64_t timeout_ms)
+{
+	return timeout_ms < 0 ? KL_NO_DEADLINE : kl__deadline_of(timeout_ms);
+}
 /* KL_OK when timeout_ms is KL_FOREVER or >= 0, else KL_EINVAL.  Inline:
  * every enter checks it. */
 static inline int
@@ -132,7 +139,10 @@ struct kl__waiter {
  * entry stays small. */
 struct kl__waitq {
 	struct kl__waiter *head;
-	size_t len;
+	uint32_t len; /* waiting threads: far below 2^32 */
+	/* Not the queue's: a word for its user, kept here where it costs no
+	 * padding (the key table keeps an entry's state in it). */
+	atomic_uint user;
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
@@ -208,6 +218,9 @@ KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
 /* hash.c: SipHash-1-3 keyed with a per-process random seed. */
 
 KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
+/* The seed of kl__hash, for a table that keeps a copy: kl__siphash with it
+ * is kl__hash without the once-check on every call. */
+KL_HIDDEN void kl__hash_seed(uint64_t *k0, uint64_t *k1);
 /* SipHash-1-3 with an explicit key, for names that other processes must
  * compute alike (the local provider's file names). */
 KL_HIDDEN uint64_t kl__siphash(uint64_t k0, uint64_t k1, const void *data,

@@ -497,7 +497,7 @@ kl__test_mutex_check(kl_mutex *m)
 	if (m->q.len != 0 && (s & QUEUED) == 0) {
 		kl__test_report("kl_mutex: %zu waiters without QUEUED: a "
 				"leave would not hand over",
-				m->q.len);
+				(size_t)m->q.len);
 		rc = KL_EINVAL;
 	}
 	if (!eventual(m) && (s & WOKEN) != 0) {
@@ -505,7 +505,8 @@ kl__test_mutex_check(kl_mutex *m)
 		rc = KL_EINVAL;
 	}
 	if (!eventual(m) && m->q.len != 0 && (s >> OWNER_SHIFT) == 0) {
-		kl__test_report("kl_mutex: free with %zu waiters", m->q.len);
+		kl__test_report("kl_mutex: free with %zu waiters",
+				(size_t)m->q.len);
 		rc = KL_EINVAL;
 	}
 	if (kl__waitq_check(&m->q, &m->lock, "kl_mutex queue") != KL_OK)

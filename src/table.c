@@ -66,21 +66,6 @@
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
 #define E_KEPT 4u    /* in its shard's kept[]; free when not E_HELD */
 
-/* 60 bytes and the key: with a key of up to 15 bytes an entry is one
- * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
- * kl__entry_lock). */
-struct kl__entry {
-	struct kl__entry *next; /* bucket chain */
-	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
-	uint32_t len;           /* key bytes */
-	struct kl__waitq q;
-	uint64_t owner_tid; /* kl__thread_id() of the holder */
-	uint64_t fence;     /* the holder's fence */
-	kl_lock *lock;      /* for the holder's use: see kl__entry_lock */
-	atomic_uint state;  /* E_* */
-	char key[];         /* len bytes and a NUL */
-};
-
 struct shard {
 	pthread_mutex_t lock;
 	struct kl__entry **buckets;
@@ -105,6 +90,7 @@ struct shard {
  * as both live). */
 struct kl__table {
 	struct shard shards[NSHARDS];
+	uint64_t k0, k1; /* kl__hash's seed (see kl__hash_seed) */
 };
 
 int
@@ -118,6 +104,7 @@ kl__table_new(struct kl__table **out)
 	memset(t, 0, sizeof *t);
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_init(&t->shards[i].lock, NULL);
+	kl__hash_seed(&t->k0, &t->k1);
 	*out = t;
 	return KL_OK;
 }
@@ -130,6 +117,7 @@ shared_init(void)
 {
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_init(&shared_table.shards[i].lock, NULL);
+	kl__hash_seed(&shared_table.k0, &shared_table.k1);
 }
 
 struct kl__table *
@@ -174,9 +162,9 @@ kl__table_free(struct kl__table *t)
 #define MAX_BUCKETS ((size_t)1 << 26)
 
 static uint32_t
-hash_of(const char *key, size_t len)
+hash_of(const struct kl__table *t, const char *key, size_t len)
 {
-	return (uint32_t)(kl__hash(key, len) >> 32);
+	return (uint32_t)(kl__siphash(t->k0, t->k1, key, len) >> 32);
 }
 
 static struct shard *
@@ -186,9 +174,43 @@ shard_of(struct kl__table *t, uint32_t h)
 }
 
 unsigned
-kl__table_shard_of(const char *key, size_t len)
+kl__table_shard_of(const struct kl__table *t, const char *key, size_t len)
 {
-	return hash_of(key, len) >> 26;
+	return hash_of(t, key, len) >> 26;
+}
+
+/* Most keys are short ids: compared with a few word loads inline, they
+ * spare a call to memcmp on every lookup. */
+static inline bool
+same_bytes(const char *a, const char *b, size_t len)
+{
+	uint64_t x, y;
+	uint32_t u, v;
+
+	if (len > 16)
+		return memcmp(a, b, len) == 0;
+	if (len >= 8) {
+		memcpy(&x, a, 8);
+		memcpy(&y, b, 8);
+		if (x != y)
+			return false;
+		memcpy(&x, a + len - 8, 8);
+		memcpy(&y, b + len - 8, 8);
+		return x == y;
+	}
+	if (len >= 4) {
+		memcpy(&u, a, 4);
+		memcpy(&v, b, 4);
+		if (u != v)
+			return false;
+		memcpy(&u, a + len - 4, 4);
+		memcpy(&v, b + len - 4, 4);
+		return u == v;
+	}
+	for (size_t i = 0; i < len; i++)
+		if (a[i] != b[i])
+			return false;
+	return true;
 }
 
 static struct kl__entry *
@@ -202,7 +224,7 @@ find(struct shard *s, uint32_t h, const char *key, size_t len)
 	for (e = s->buckets[h & s->mask]; e != NULL; e = e->next) {
 		s->probes++;
 		if (e->hash == h && e->len == len &&
-		    memcmp(e->key, key, len) == 0)
+		    same_bytes(e->key, key, len))
 			return e;
 	}
 	return NULL;
@@ -257,9 +279,9 @@ insert(struct shard *s, uint32_t h, const char *key,
 	}
 	e->hash = h;
 	e->len = (uint32_t)len;
-	KL_ANNOTATE_ATOMIC(&e->state);
-	atomic_store_explicit(&e->state, E_HELD, memory_order_relaxed);
 	kl__waitq_init(&e->q, &s->lock);
+	KL_ANNOTATE_ATOMIC(&e->q.user);
+	atomic_store_explicit(&e->q.user, E_HELD, memory_order_relaxed);
 	e->owner_tid = kl__thread_id();
 	e->fence = 0;
 	e->lock = NULL;
@@ -312,11 +334,11 @@ static void
 take_idle(struct shard *s, struct kl__entry *e, uint32_t st,
 	  struct kl__entry **out, uint64_t *fence)
 {
-	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
 	e->owner_tid = kl__thread_id();
 	e->lock = NULL;
 	*fence = e->fence = ++s->fence;
-	atomic_store_explicit(&e->state, st | E_HELD, memory_order_relaxed);
+	atomic_store_explicit(&e->q.user, st | E_HELD, memory_order_relaxed);
 	*out = e;
 }
 
@@ -326,12 +348,12 @@ take_idle(struct shard *s, struct kl__entry *e, uint32_t st,
 static bool
 mark_waiting(struct kl__entry *e, uint32_t *st)
 {
-	uint32_t v = atomic_load_explicit(&e->state, memory_order_acquire);
+	uint32_t v = atomic_load_explicit(&e->q.user, memory_order_acquire);
 
 	while (v & E_HELD) {
 		if ((v & E_WAITERS) ||
 		    atomic_compare_exchange_weak_explicit(
-			    &e->state, &v, v | E_WAITERS, memory_order_acquire,
+			    &e->q.user, &v, v | E_WAITERS, memory_order_acquire,
 			    memory_order_acquire))
 			return true;
 	}
@@ -420,7 +442,7 @@ acquire_cancellable(struct kl__table *t, struct shard *s, uint32_t h,
 	} else if ((e = find(s, h, key, len)) == NULL) {
 		rc = take_new(t, s, h, key, len, out, fence);
 		pthread_mutex_unlock(&s->lock);
-	} else if (!((st = atomic_load_explicit(&e->state,
+	} else if (!((st = atomic_load_explicit(&e->q.user,
 					       memory_order_acquire)) &
 		     E_HELD)) {
 		take_idle(s, e, st, out, fence);
@@ -438,7 +460,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		  int64_t deadline_ns, kl_cancel *c, unsigned flags,
 		  struct kl__entry **out, uint64_t *fence)
 {
-	uint32_t h = hash_of(key, len);
+	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
 	struct kl__entry *e;
 	uint32_t st;
@@ -452,7 +474,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	pthread_mutex_lock(&s->lock);
 	if ((e = find(s, h, key, len)) == NULL) {
 		rc = take_new(t, s, h, key, len, out, fence);
-	} else if (!((st = atomic_load_explicit(&e->state,
+	} else if (!((st = atomic_load_explicit(&e->q.user,
 					       memory_order_acquire)) &
 		     E_HELD)) {
 		take_idle(s, e, st, out, fence);
@@ -462,31 +484,6 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	}
 	pthread_mutex_unlock(&s->lock);
 	return rc;
-}
-
-const char *
-kl__entry_key(const struct kl__entry *e)
-{
-	return e->key;
-}
-
-uint64_t
-kl__entry_fence(const struct kl__entry *e)
-{
-	return e->fence;
-}
-
-kl_lock **
-kl__entry_lock(struct kl__entry *e)
-{
-	return &e->lock;
-}
-
-struct kl__entry *
-kl__entry_of_lock(kl_lock **word)
-{
-	return (struct kl__entry *)(void *)((char *)word -
-					    offsetof(struct kl__entry, lock));
 }
 
 /* What to free of e, just unlinked: nothing when it becomes the spare. */
@@ -512,16 +509,16 @@ retire(struct shard *s, struct kl__entry *e)
 			struct kl__entry *v = s->kept[slot];
 
 			if (v != NULL && atomic_load_explicit(
-						 &v->state,
+						 &v->q.user,
 						 memory_order_acquire) != E_KEPT)
 				continue; /* held: its holder may use it */
 			s->kept[slot] = e;
 			s->kept_next = (slot + 1) % NKEPT;
-			atomic_store_explicit(&e->state, E_KEPT,
+			atomic_store_explicit(&e->q.user, E_KEPT,
 					      memory_order_relaxed);
 			if (v == NULL)
 				return NULL;
-			KL_ANNOTATE_HAPPENS_AFTER(&v->state);
+			KL_ANNOTATE_HAPPENS_AFTER(&v->q.user);
 			unlink_entry(s, v);
 			return to_spare(s, v);
 		}
@@ -541,18 +538,18 @@ release_locked(struct shard *s, struct kl__entry *e)
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes the word now: the CAS of a
 	 * releaser needs HELD|KEPT alone, and the caller is the holder. */
-	st = atomic_load_explicit(&e->state, memory_order_relaxed);
+	st = atomic_load_explicit(&e->q.user, memory_order_relaxed);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
 		e->owner_tid = w->tid;
 		w->data = e->fence = ++s->fence;
 		if (e->q.len == 0)
-			atomic_store_explicit(&e->state, st & ~E_WAITERS,
+			atomic_store_explicit(&e->q.user, st & ~E_WAITERS,
 					      memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
 	} else if (st & E_KEPT) {
-		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
-		atomic_store_explicit(&e->state, E_KEPT, memory_order_release);
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
+		atomic_store_explicit(&e->q.user, E_KEPT, memory_order_release);
 		e = NULL;
 	} else {
 		e = retire(s, e);
@@ -568,10 +565,10 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 {
 	uint32_t st = E_HELD | E_KEPT;
 
-	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
 	/* Release order: the next holder, which loads the word under the
 	 * shard lock, sees what this one wrote.  After it, e may be freed. */
-	if (atomic_compare_exchange_strong_explicit(&e->state, &st, E_KEPT,
+	if (atomic_compare_exchange_strong_explicit(&e->q.user, &st, E_KEPT,
 						    memory_order_release,
 						    memory_order_relaxed))
 		return;
@@ -586,7 +583,7 @@ idle_of(const struct shard *s)
 
 	for (unsigned i = 0; i < NKEPT; i++)
 		if (s->kept[i] != NULL &&
-		    !(atomic_load_explicit(&s->kept[i]->state,
+		    !(atomic_load_explicit(&s->kept[i]->q.user,
 					   memory_order_relaxed) &
 		      E_HELD))
 			n++;
@@ -611,13 +608,13 @@ int
 kl__table_status(struct kl__table *t, const char *key, size_t len,
 		 size_t *holders, size_t *waiters)
 {
-	uint32_t h = hash_of(key, len);
+	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
 	struct kl__entry *e;
 
 	pthread_mutex_lock(&s->lock);
 	e = find(s, h, key, len);
-	*holders = e != NULL && (atomic_load_explicit(&e->state,
+	*holders = e != NULL && (atomic_load_explicit(&e->q.user,
 						      memory_order_relaxed) &
 				 E_HELD);
 	*waiters = e != NULL ? e->q.len : 0;
@@ -724,7 +721,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 				(size_t)(e->hash & s->mask));
 		return KL_EINVAL;
 	}
-	if (hash_of(e->key, e->len) != e->hash || e->key[e->len] != '\0') {
+	if (hash_of(t, e->key, e->len) != e->hash || e->key[e->len] != '\0') {
 		kl__test_report("shard %d: entry '%s': key bytes changed", i,
 				shown);
 		return KL_EINVAL;
@@ -736,7 +733,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
-	st = atomic_load_explicit(&e->state, memory_order_acquire);
+	st = atomic_load_explicit(&e->q.user, memory_order_acquire);
 	if (st & ~(E_HELD | E_WAITERS | E_KEPT)) {
 		kl__test_report("shard %d: entry '%s' has state %#x", i,
 				shown, st);
@@ -762,7 +759,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 	    st != (E_HELD | E_WAITERS | E_KEPT)) {
 		kl__test_report("shard %d: entry '%s' has %zu waiters, state "
 				"%#x",
-				i, shown, e->q.len, st);
+				i, shown, (size_t)e->q.len, st);
 		return KL_EINVAL;
 	}
 	if (e->owner_tid == 0) {

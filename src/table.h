@@ -12,7 +12,22 @@
 #include "internal.h"
 
 struct kl__table;
-struct kl__entry;
+
+/* Only table.c touches an entry's fields but key, fence and lock; they
+ * are here so that the accessors below are inlined.
+ * 56 bytes and the key: with a key of up to 15 bytes an entry is one
+ * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
+ * kl__entry_lock). */
+struct kl__entry {
+	struct kl__entry *next; /* bucket chain */
+	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
+	uint32_t len;           /* key bytes */
+	struct kl__waitq q; /* q.user: the entry's state, E_* in table.c */
+	uint64_t owner_tid; /* kl__thread_id() of the holder */
+	uint64_t fence;     /* the holder's fence */
+	kl_lock *lock;      /* for the holder's use: see kl__entry_lock */
+	char key[];         /* len bytes and a NUL */
+};
 
 #define KL__TABLE_SHARDS 64
 /* Idle entries a shard keeps linked (see table.c), and the longest key it
@@ -50,17 +65,38 @@ KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
  * releases (lock.c keeps the lease of kl_lock_acquire there, so that a held
  * key costs one allocation).  kl__entry_of_lock is the inverse of
  * kl__entry_lock. */
-KL_HIDDEN const char *kl__entry_key(const struct kl__entry *e);
-KL_HIDDEN uint64_t kl__entry_fence(const struct kl__entry *e);
-KL_HIDDEN kl_lock **kl__entry_lock(struct kl__entry *e);
-KL_HIDDEN struct kl__entry *kl__entry_of_lock(kl_lock **word);
+static inline const char *
+kl__entry_key(const struct kl__entry *e)
+{
+	return e->key;
+}
+
+static inline uint64_t
+kl__entry_fence(const struct kl__entry *e)
+{
+	return e->fence;
+}
+
+static inline kl_lock **
+kl__entry_lock(struct kl__entry *e)
+{
+	return &e->lock;
+}
+
+static inline struct kl__entry *
+kl__entry_of_lock(kl_lock **word)
+{
+	return (struct kl__entry *)(void *)((char *)word -
+					    offsetof(struct kl__entry, lock));
+}
 /* Hands the key to the next waiter, or frees the entry when none waits. */
 KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
 KL_HIDDEN size_t kl__table_size(struct kl__table *t);
 KL_HIDDEN void kl__table_stats(struct kl__table *t,
 			       struct kl__table_stats *out);
 /* The shard that key falls in (for tests that fill one shard). */
-KL_HIDDEN unsigned kl__table_shard_of(const char *key, size_t len);
+KL_HIDDEN unsigned kl__table_shard_of(const struct kl__table *t,
+				      const char *key, size_t len);
 /* Holders (0 or 1) and waiters of key. */
 KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
 			       size_t len, size_t *holders, size_t *waiters);

@@ -206,6 +206,7 @@ kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
 	q->head = NULL;
 	q->len = 0;
+	atomic_init(&q->user, 0);
 }
 
 bool
@@ -508,13 +509,14 @@ kl__waitq_check(const struct kl__waitq *q, const pthread_mutex_t *lock,
 	if (w == NULL) {
 		if (q->len == 0)
 			return KL_OK;
-		kl__test_report("%s: empty but len %zu", what, q->len);
+		kl__test_report("%s: empty but len %zu", what,
+				(size_t)q->len);
 		return KL_EINVAL;
 	}
 	do {
 		if (++n > q->len) {
 			kl__test_report("%s: more waiters than len %zu", what,
-					q->len);
+					(size_t)q->len);
 			return KL_EINVAL;
 		}
 		if (w->next == NULL || w->prev == NULL ||
@@ -540,7 +542,8 @@ kl__waitq_check(const struct kl__waitq *q, const pthread_mutex_t *lock,
 		w = w->next;
 	} while (w != q->head);
 	if (n != q->len) {
-		kl__test_report("%s: %zu waiters, len %zu", what, n, q->len);
+		kl__test_report("%s: %zu waiters, len %zu", what, n,
+				(size_t)q->len);
 		return KL_EINVAL;
 	}
 	return KL_OK;

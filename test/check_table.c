@@ -371,14 +371,14 @@ END_TEST
 #define SAME_SHARD_KEYS (KL__TABLE_KEPT + 2)
 
 static void
-same_shard_keys(char keys[][24], int n)
+same_shard_keys(struct kl__table *t, char keys[][24], int n)
 {
-	unsigned want = kl__table_shard_of("k0", 2);
+	unsigned want = kl__table_shard_of(t, "k0", 2);
 
 	snprintf(keys[0], 24, "k0");
 	for (int i = 1, j = 1; i < n; j++) {
 		snprintf(keys[i], 24, "k%d", j);
-		if (kl__table_shard_of(keys[i], strlen(keys[i])) == want)
+		if (kl__table_shard_of(t, keys[i], strlen(keys[i])) == want)
 			i++;
 	}
 }
@@ -390,7 +390,7 @@ START_TEST(test_kept_entries_bounded_per_shard)
 	struct kl__entry *e[SAME_SHARD_KEYS];
 	const int kept = KL__TABLE_KEPT;
 
-	same_shard_keys(keys, SAME_SHARD_KEYS);
+	same_shard_keys(t, keys, SAME_SHARD_KEYS);
 	/* Released one by one: the shard keeps only the last KEPT. */
 	for (int i = 0; i < SAME_SHARD_KEYS; i++) {
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
