@@ -7,25 +7,29 @@
  * world.  The shard mutex is also the lock of every wait queue in the shard:
  * an entry's hand-off and its removal are decided under one lock.
  *
- * An entry is linked while its key is held, and a few more stay linked
- * while idle: each shard keeps the entries of the last NKEPT keys released
- * ("kept"), so that a key taken and given back over and over costs no
- * insert, no unlink and no allocation, and its holder can give it back
- * without the shard lock.  Every other entry is unlinked by the release
- * that leaves it with no holder and no waiter, so idle memory stays
- * bounded by NKEPT entries per shard.
+ * Entries are made on first use.  A release that leaves a key with no
+ * holder and no waiter either unlinks its entry (the shard is big) or leaves
+ * it linked and free ("idle": the shard has at most SMALL entries).  Idle
+ * entries cost a small shard little memory and save the work that made
+ * them: a key taken again finds its entry, and a new key takes over an idle
+ * entry it meets in its bucket, or one from the shard's stash of unlinked
+ * ones.  When a shard reaches SMALL entries (and again at twice the count
+ * it was left with), an insert first sweeps its idle entries out.  So a
+ * shard holds at most about SMALL idle entries, and memory follows the keys
+ * held.
  *
- * An entry's state word (E_HELD, E_WAITERS, E_KEPT) changes under the shard
- * lock, with one exception: the holder of a kept entry with no waiter marked
- * releases it with one compare-and-swap, HELD|KEPT -> KEPT.  Everything else
- * is written so that this CAS cannot succeed when the lock-holder relies on
+ * An entry's state word (E_HELD, E_WAITERS, in the wait queue's user word)
+ * changes under the shard lock, with one exception: in a small shard, the
+ * holder of an entry no waiter has marked gives the key back with one
+ * compare-and-swap, HELD -> free, without the lock.  Everything else is
+ * written so that this CAS cannot succeed when the lock-holder relies on
  * the word staying put: a waiter sets E_WAITERS (by CAS, as the holder may
  * be releasing) before it queues, and only a release under the lock clears
- * it.  A stale E_WAITERS (the waiter timed out) only sends the next release
- * through the lock, which finds nobody to hand to.  Acquirers take a free
- * entry under the lock, where nothing else can change a free entry, and an
- * eviction frees only a free kept entry, under the lock: after its CAS, a
- * releaser never touches the entry again.
+ * it.  A stale E_WAITERS (its waiter timed out) only sends the next release
+ * through the lock, which finds nobody to hand to.  Nothing changes a free
+ * entry but the lock's holder, so acquirers, sweeps and reuse act on free
+ * entries under the lock; after its CAS, a releaser never touches the entry
+ * again.
  * Waiters queue only on a held key.  A waiter that times out or is cancelled
  * only unlinks itself; the key is still held then, so it never has to free
  * anything, and after failing it never touches the entry again (a release
@@ -43,55 +47,78 @@
 
 #define NSHARDS KL__TABLE_SHARDS
 #define MIN_BUCKETS 8
+#define SMALL KL__TABLE_SMALL
 /* Key bytes (NUL included) every entry has room for: entries of keys that
- * fit are all one size, so a shard keeps one of them spare (see release). */
+ * fit are all one size, so any of them can take another such key. */
 #define INLINE_KEY 16
-/* AddressSanitizer builds free every entry, so that a use after the last
- * release is reported instead of landing in the spare. */
+/* Unlinked entries a shard keeps for its next inserts.  AddressSanitizer
+ * builds keep none, so that a use after a free is reported instead of
+ * landing in the stash. */
 #if defined(__SANITIZE_ADDRESS__)
-#define KEEP_SPARE 0
+#define STASH_MAX 0
 #elif defined(__has_feature)
 #if __has_feature(address_sanitizer)
-#define KEEP_SPARE 0
+#define STASH_MAX 0
 #endif
 #endif
-#ifndef KEEP_SPARE
-#define KEEP_SPARE 1
+#ifndef STASH_MAX
+#define STASH_MAX 8
 #endif
-#define NKEPT KL__TABLE_KEPT
-#define KEEP_KEY_MAX KL__TABLE_KEEP_KEY_MAX
 
-/* The state word of an entry. */
+/* The state word of an entry (its q.user); 0 is free. */
 #define E_HELD 1u    /* a holder has the key */
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
-#define E_KEPT 4u    /* in its shard's kept[]; free when not E_HELD */
 
 struct shard {
 	pthread_mutex_t lock;
 	struct kl__entry **buckets;
-	/* A freed entry with an inline-sized key, kept for the next insert:
-	 * a key taken and given back over and over allocates nothing.  At
-	 * most one per shard, so idle memory stays bounded. */
-	struct kl__entry *spare;
-	/* Linked entries kept while idle (NULL: a free slot), and the slot
-	 * the next one replaces when none is free. */
-	struct kl__entry *kept[NKEPT];
-	unsigned kept_next;
-	size_t mask; /* buckets - 1; 0 while no bucket array exists */
-	size_t count; /* linked entries, kept idle ones included */
+	/* Unlinked entries with room for an inline-sized key, chained
+	 * through next: an insert takes one before it allocates. */
+	struct kl__entry *stash;
+	unsigned nstash;
+	/* Linked entries, idle ones included.  Written under the lock; read
+	 * without it by releasers, which give a key back by CAS only while
+	 * the shard is small. */
+	atomic_size_t count;
+	size_t swept; /* the count a sweep left: see insert */
+	size_t mask;  /* buckets - 1; 0 while no bucket array exists */
 	uint64_t fence;
 	uint64_t lookups, probes;
 } __attribute__((aligned(64)));
 
 /* No global count of entries: every acquire and release on any key would
- * write its cache line from every CPU.  kl__table_size sums the shards
- * with all of them locked at once, which is exact (a sum taken shard by
- * shard could count a key released in one and another taken in a second
- * as both live). */
+ * write its cache line from every CPU.  kl__table_size counts the shards
+ * with all of them locked at once. */
 struct kl__table {
 	struct shard shards[NSHARDS];
 	uint64_t k0, k1; /* kl__hash's seed (see kl__hash_seed) */
 };
+
+static size_t
+count_of(struct shard *s)
+{
+	return atomic_load_explicit(&s->count, memory_order_relaxed);
+}
+
+/* Lock held. */
+static void
+set_count(struct shard *s, size_t n)
+{
+	atomic_store_explicit(&s->count, n, memory_order_relaxed);
+}
+
+static unsigned
+state_of(struct kl__entry *e, memory_order mo)
+{
+	return atomic_load_explicit(&e->q.user, mo);
+}
+
+static void
+shard_init(struct shard *s)
+{
+	pthread_mutex_init(&s->lock, NULL);
+	KL_ANNOTATE_ATOMIC(&s->count);
+}
 
 int
 kl__table_new(struct kl__table **out)
@@ -103,7 +130,7 @@ kl__table_new(struct kl__table **out)
 		return KL_ENOMEM;
 	memset(t, 0, sizeof *t);
 	for (int i = 0; i < NSHARDS; i++)
-		pthread_mutex_init(&t->shards[i].lock, NULL);
+		shard_init(&t->shards[i]);
 	kl__hash_seed(&t->k0, &t->k1);
 	*out = t;
 	return KL_OK;
@@ -116,7 +143,7 @@ static void
 shared_init(void)
 {
 	for (int i = 0; i < NSHARDS; i++)
-		pthread_mutex_init(&shared_table.shards[i].lock, NULL);
+		shard_init(&shared_table.shards[i]);
 	kl__hash_seed(&shared_table.k0, &shared_table.k1);
 }
 
@@ -139,19 +166,20 @@ kl__table_free(struct kl__table *t)
 #endif
 	for (int i = 0; i < NSHARDS; i++) {
 		struct shard *s = &t->shards[i];
+		struct kl__entry *e, *next;
 
-		/* Only kept idle entries are still linked. */
-		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++) {
-			struct kl__entry *e = s->buckets[b], *next;
-
-			for (; e != NULL; e = next) {
+		/* Only idle entries are still linked. */
+		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
+			for (e = s->buckets[b]; e != NULL; e = next) {
 				next = e->next;
 				kl__free(e);
 			}
+		for (e = s->stash; e != NULL; e = next) {
+			next = e->next;
+			kl__free(e);
 		}
 		pthread_mutex_destroy(&s->lock);
 		kl__free(s->buckets);
-		kl__free(s->spare);
 	}
 	kl__free(t);
 }
@@ -173,10 +201,10 @@ shard_of(struct kl__table *t, uint32_t h)
 	return &t->shards[h >> 26];
 }
 
-unsigned
-kl__table_shard_of(const struct kl__table *t, const char *key, size_t len)
+uint32_t
+kl__table_hash(const struct kl__table *t, const char *key, size_t len)
 {
-	return hash_of(t, key, len) >> 26;
+	return hash_of(t, key, len);
 }
 
 /* Most keys are short ids: compared with a few word loads inline, they
@@ -213,8 +241,12 @@ same_bytes(const char *a, const char *b, size_t len)
 	return true;
 }
 
+/* The entry of key, or NULL.  With reuse, also an idle entry of the same
+ * bucket that can take the key over (both inline-sized), if any.  Lock
+ * held. */
 static struct kl__entry *
-find(struct shard *s, uint32_t h, const char *key, size_t len)
+find(struct shard *s, uint32_t h, const char *key, size_t len,
+     struct kl__entry **reuse)
 {
 	struct kl__entry *e;
 
@@ -226,6 +258,10 @@ find(struct shard *s, uint32_t h, const char *key, size_t len)
 		if (e->hash == h && e->len == len &&
 		    same_bytes(e->key, key, len))
 			return e;
+		if (reuse != NULL && *reuse == NULL && len < INLINE_KEY &&
+		    e->len < INLINE_KEY &&
+		    state_of(e, memory_order_relaxed) == 0)
+			*reuse = e;
 	}
 	return NULL;
 }
@@ -254,13 +290,76 @@ rehash(struct shard *s, size_t n)
 	s->mask = n - 1;
 }
 
+/* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard whose
+ * only key comes and goes keeps its small array instead of allocating it
+ * on every acquire.  Lock held. */
+static void
+maybe_shrink(struct shard *s)
+{
+	size_t n = count_of(s);
+
+	while (s->mask + 1 > MIN_BUCKETS && n < (s->mask + 1) / 4) {
+		size_t before = s->mask;
+
+		rehash(s, (s->mask + 1) / 2);
+		if (s->mask == before)
+			break; /* out of memory: stay as is */
+	}
+}
+
+/* What to free of e, just unlinked: nothing when the stash takes it. */
+static struct kl__entry *
+to_stash(struct shard *s, struct kl__entry *e)
+{
+	if (s->nstash < STASH_MAX && e->len < INLINE_KEY) {
+		e->next = s->stash;
+		s->stash = e;
+		s->nstash++;
+		return NULL;
+	}
+	return e;
+}
+
+/* Unlinks every idle entry of s.  Lock held: idle entries do not change
+ * under it, and the acquire load pairs with the CAS that freed each. */
+static void
+sweep(struct shard *s)
+{
+	size_t n = count_of(s);
+
+	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++) {
+		struct kl__entry **pp = &s->buckets[b], *e;
+
+		while ((e = *pp) != NULL) {
+			if (state_of(e, memory_order_acquire) != 0) {
+				pp = &e->next;
+				continue;
+			}
+			KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
+			*pp = e->next;
+			n--;
+			kl__free(to_stash(s, e));
+		}
+	}
+	set_count(s, n);
+	s->swept = n;
+	maybe_shrink(s);
+}
+
+/* Links a new entry for key, held by the caller.  Lock held. */
 static int
 insert(struct shard *s, uint32_t h, const char *key,
        size_t len, struct kl__entry **out)
 {
 	struct kl__entry *e;
-	size_t b, n = s->count;
+	size_t b, n = count_of(s);
 
+	/* Sweeping at SMALL and then at twice what each sweep left costs
+	 * each insert O(1) over time, whatever the keys held. */
+	if (n >= SMALL && n >= 2 * s->swept) {
+		sweep(s);
+		n = count_of(s);
+	}
 	if (s->buckets == NULL) {
 		rehash(s, MIN_BUCKETS);
 		if (s->buckets == NULL)
@@ -268,9 +367,10 @@ insert(struct shard *s, uint32_t h, const char *key,
 	} else if (n >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS) {
 		rehash(s, (s->mask + 1) * 2);
 	}
-	if (len < INLINE_KEY && s->spare != NULL) {
-		e = s->spare;
-		s->spare = NULL;
+	if (len < INLINE_KEY && s->stash != NULL) {
+		e = s->stash;
+		s->stash = e->next;
+		s->nstash--;
 	} else if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
 		   (e = kl__malloc(sizeof *e + (len < INLINE_KEY
 							? INLINE_KEY
@@ -283,14 +383,13 @@ insert(struct shard *s, uint32_t h, const char *key,
 	KL_ANNOTATE_ATOMIC(&e->q.user);
 	atomic_store_explicit(&e->q.user, E_HELD, memory_order_relaxed);
 	e->owner_tid = kl__thread_id();
-	e->fence = 0;
 	e->lock = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
 	b = h & s->mask;
 	e->next = s->buckets[b];
 	s->buckets[b] = e;
-	s->count = n + 1;
+	set_count(s, n + 1);
 	*out = e;
 	return KL_OK;
 }
@@ -299,27 +398,52 @@ static void
 unlink_entry(struct shard *s, struct kl__entry *e)
 {
 	struct kl__entry **pp = &s->buckets[e->hash & s->mask];
-	size_t n = s->count - 1;
 
 	while (*pp != e)
 		pp = &(*pp)->next;
 	*pp = e->next;
-	s->count = n;
-	/* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard
-	 * whose only key comes and goes keeps its small array instead of
-	 * allocating it on every acquire. */
-	if (s->mask + 1 > MIN_BUCKETS && n < (s->mask + 1) / 4)
-		rehash(s, (s->mask + 1) / 2);
+	set_count(s, count_of(s) - 1);
+	if (s->swept > count_of(s))
+		s->swept = count_of(s);
+	maybe_shrink(s);
 }
 
-/* Takes a free key: a new entry, held by the caller.  Lock held. */
+/* Takes e, free, for the caller (with key, when e is an idle entry of
+ * another key that takes it over).  Lock held: nothing else changes a free
+ * entry then.  The acquire load pairs with the releaser's CAS, so the last
+ * holder's writes are visible. */
+static void
+take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
+	  size_t len, struct kl__entry **out, uint64_t *fence)
+{
+	(void)state_of(e, memory_order_acquire);
+	KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
+	if (key != NULL) {
+		e->hash = h;
+		e->len = (uint32_t)len;
+		memcpy(e->key, key, len);
+		e->key[len] = '\0';
+	}
+	e->owner_tid = kl__thread_id();
+	e->lock = NULL;
+	*fence = e->fence = ++s->fence;
+	atomic_store_explicit(&e->q.user, E_HELD, memory_order_relaxed);
+	*out = e;
+}
+
+/* Takes a key with no entry for the caller: an idle entry of its bucket
+ * taken over, or a new one.  Lock held. */
 static int
-take_new(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
-	 size_t len, struct kl__entry **out, uint64_t *fence)
+take_new(struct shard *s, uint32_t h, const char *key, size_t len,
+	 struct kl__entry *reuse, struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *e;
 	int rc;
 
+	if (reuse != NULL) {
+		take_free(s, reuse, h, key, len, out, fence);
+		return KL_OK;
+	}
 	if ((rc = insert(s, h, key, len, &e)) == KL_OK) {
 		*out = e;
 		*fence = e->fence = ++s->fence;
@@ -327,37 +451,21 @@ take_new(struct kl__table *t, struct shard *s, uint32_t h, const char *key,
 	return rc;
 }
 
-/* Takes e, a free kept entry, for the caller.  Lock held: nothing else
- * changes a free entry's state then.  The acquire load that found it free
- * pairs with the releaser's CAS, so its holder's writes are visible. */
-static void
-take_idle(struct shard *s, struct kl__entry *e, uint32_t st,
-	  struct kl__entry **out, uint64_t *fence)
-{
-	KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
-	e->owner_tid = kl__thread_id();
-	e->lock = NULL;
-	*fence = e->fence = ++s->fence;
-	atomic_store_explicit(&e->q.user, st | E_HELD, memory_order_relaxed);
-	*out = e;
-}
-
 /* Marks e as waited for before a waiter queues, so that its holder
- * releases through the lock.  Lock held.  Returns false, and the free
- * state in *st, when the holder gave the key back meanwhile. */
+ * releases through the lock.  Lock held.  Returns false when the holder
+ * gave the key back meanwhile. */
 static bool
-mark_waiting(struct kl__entry *e, uint32_t *st)
+mark_waiting(struct kl__entry *e)
 {
-	uint32_t v = atomic_load_explicit(&e->q.user, memory_order_acquire);
+	unsigned v = state_of(e, memory_order_relaxed);
 
 	while (v & E_HELD) {
 		if ((v & E_WAITERS) ||
 		    atomic_compare_exchange_weak_explicit(
-			    &e->q.user, &v, v | E_WAITERS, memory_order_acquire,
-			    memory_order_acquire))
+			    &e->q.user, &v, v | E_WAITERS,
+			    memory_order_relaxed, memory_order_relaxed))
 			return true;
 	}
-	*st = v;
 	return false;
 }
 
@@ -380,15 +488,14 @@ wait_held(struct shard *s, struct kl__entry *e, struct kl__waiter *w,
 	  int64_t deadline_ns, unsigned flags, struct kl__entry **out,
 	  uint64_t *fence)
 {
-	uint32_t st;
 	int rc;
 
 	if ((rc = refusal(e, deadline_ns, flags)) != KL_OK) {
 		pthread_mutex_unlock(&s->lock);
 		return rc;
 	}
-	if (!mark_waiting(e, &st)) {
-		take_idle(s, e, st, out, fence);
+	if (!mark_waiting(e)) {
+		take_free(s, e, 0, NULL, 0, out, fence);
 		pthread_mutex_unlock(&s->lock);
 		return KL_OK;
 	}
@@ -419,14 +526,12 @@ acquire_held(struct shard *s, struct kl__entry *e, int64_t deadline_ns,
 
 /* kl__table_acquire with a cancel token. */
 static __attribute__((noinline)) int
-acquire_cancellable(struct kl__table *t, struct shard *s, uint32_t h,
-		    const char *key, size_t len, int64_t deadline_ns,
-		    kl_cancel *c, unsigned flags, struct kl__entry **out,
-		    uint64_t *fence)
+acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
+		    int64_t deadline_ns, kl_cancel *c, unsigned flags,
+		    struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__waiter w;
-	struct kl__entry *e;
-	uint32_t st;
+	struct kl__entry *e, *reuse = NULL;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
@@ -439,13 +544,11 @@ acquire_cancellable(struct kl__table *t, struct shard *s, uint32_t h,
 		 * granted to it. */
 		rc = w.status;
 		pthread_mutex_unlock(&s->lock);
-	} else if ((e = find(s, h, key, len)) == NULL) {
-		rc = take_new(t, s, h, key, len, out, fence);
+	} else if ((e = find(s, h, key, len, &reuse)) == NULL) {
+		rc = take_new(s, h, key, len, reuse, out, fence);
 		pthread_mutex_unlock(&s->lock);
-	} else if (!((st = atomic_load_explicit(&e->q.user,
-					       memory_order_acquire)) &
-		     E_HELD)) {
-		take_idle(s, e, st, out, fence);
+	} else if (!(state_of(e, memory_order_relaxed) & E_HELD)) {
+		take_free(s, e, 0, NULL, 0, out, fence);
 		rc = KL_OK;
 		pthread_mutex_unlock(&s->lock);
 	} else {
@@ -462,83 +565,38 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 {
 	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
-	struct kl__entry *e;
-	uint32_t st;
-	int rc;
+	struct kl__entry *e, *reuse = NULL;
+	int rc = KL_OK;
 
 	*out = NULL;
 	*fence = 0;
 	if (c != NULL)
-		return acquire_cancellable(t, s, h, key, len, deadline_ns, c,
+		return acquire_cancellable(s, h, key, len, deadline_ns, c,
 					   flags, out, fence);
 	pthread_mutex_lock(&s->lock);
-	if ((e = find(s, h, key, len)) == NULL) {
-		rc = take_new(t, s, h, key, len, out, fence);
-	} else if (!((st = atomic_load_explicit(&e->q.user,
-					       memory_order_acquire)) &
-		     E_HELD)) {
-		take_idle(s, e, st, out, fence);
-		rc = KL_OK;
-	} else {
+	if ((e = find(s, h, key, len, &reuse)) == NULL)
+		rc = take_new(s, h, key, len, reuse, out, fence);
+	else if (!(state_of(e, memory_order_relaxed) & E_HELD))
+		take_free(s, e, 0, NULL, 0, out, fence);
+	else
 		return acquire_held(s, e, deadline_ns, flags, out, fence);
-	}
 	pthread_mutex_unlock(&s->lock);
 	return rc;
 }
 
-/* What to free of e, just unlinked: nothing when it becomes the spare. */
-static struct kl__entry *
-to_spare(struct shard *s, struct kl__entry *e)
-{
-	if (KEEP_SPARE && e->len < INLINE_KEY && s->spare == NULL) {
-		s->spare = e;
-		return NULL;
-	}
-	return e;
-}
-
-/* e, just released with no waiter, and not kept: keeps it in a free slot
- * or in place of a free kept entry, else unlinks it.  Returns the entry to
- * free, if any.  Lock held. */
-static struct kl__entry *
-retire(struct shard *s, struct kl__entry *e)
-{
-	if (e->len < KEEP_KEY_MAX) {
-		for (unsigned i = 0; i < NKEPT; i++) {
-			unsigned slot = (s->kept_next + i) % NKEPT;
-			struct kl__entry *v = s->kept[slot];
-
-			if (v != NULL && atomic_load_explicit(
-						 &v->q.user,
-						 memory_order_acquire) != E_KEPT)
-				continue; /* held: its holder may use it */
-			s->kept[slot] = e;
-			s->kept_next = (slot + 1) % NKEPT;
-			atomic_store_explicit(&e->q.user, E_KEPT,
-					      memory_order_relaxed);
-			if (v == NULL)
-				return NULL;
-			KL_ANNOTATE_HAPPENS_AFTER(&v->q.user);
-			unlink_entry(s, v);
-			return to_spare(s, v);
-		}
-	}
-	unlink_entry(s, e);
-	return to_spare(s, e);
-}
-
-/* kl__table_release when the CAS cannot do: waiters marked, or not kept. */
+/* kl__table_release when the CAS cannot do: waiters marked, or a big
+ * shard. */
 static __attribute__((noinline)) void
 release_locked(struct shard *s, struct kl__entry *e)
 {
 	struct kl__waiter *w;
 	void *wake = NULL;
-	uint32_t st;
+	unsigned st;
 
 	pthread_mutex_lock(&s->lock);
-	/* Only this lock's holder changes the word now: the CAS of a
-	 * releaser needs HELD|KEPT alone, and the caller is the holder. */
-	st = atomic_load_explicit(&e->q.user, memory_order_relaxed);
+	/* Only this lock's holder changes the word now: a releaser's CAS
+	 * needs E_HELD alone, and the caller is the holder. */
+	st = state_of(e, memory_order_relaxed);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
 		e->owner_tid = w->tid;
 		w->data = e->fence = ++s->fence;
@@ -547,12 +605,13 @@ release_locked(struct shard *s, struct kl__entry *e)
 					      memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
-	} else if (st & E_KEPT) {
+	} else if (count_of(s) <= SMALL) {
 		KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
-		atomic_store_explicit(&e->q.user, E_KEPT, memory_order_release);
+		atomic_store_explicit(&e->q.user, 0, memory_order_release);
 		e = NULL;
 	} else {
-		e = retire(s, e);
+		unlink_entry(s, e);
+		e = to_stash(s, e);
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
@@ -563,45 +622,47 @@ release_locked(struct shard *s, struct kl__entry *e)
 void
 kl__table_release(struct kl__table *t, struct kl__entry *e)
 {
-	uint32_t st = E_HELD | E_KEPT;
+	struct shard *s = shard_of(t, e->hash);
+	unsigned st = E_HELD;
 
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
 	/* Release order: the next holder, which loads the word under the
-	 * shard lock, sees what this one wrote.  After it, e may be freed. */
-	if (atomic_compare_exchange_strong_explicit(&e->q.user, &st, E_KEPT,
+	 * shard lock, sees what this one wrote.  After it, e may be taken
+	 * over or freed. */
+	if (count_of(s) <= SMALL &&
+	    atomic_compare_exchange_strong_explicit(&e->q.user, &st, 0,
 						    memory_order_release,
 						    memory_order_relaxed))
 		return;
-	release_locked(shard_of(t, e->hash), e);
+	release_locked(s, e);
 }
 
-/* Kept entries of s that are free.  Lock held. */
-static size_t
-idle_of(const struct shard *s)
+/* Held and idle entries of s.  Lock held. */
+static void
+count_entries(struct shard *s, size_t *held, size_t *idle)
 {
-	size_t n = 0;
-
-	for (unsigned i = 0; i < NKEPT; i++)
-		if (s->kept[i] != NULL &&
-		    !(atomic_load_explicit(&s->kept[i]->q.user,
-					   memory_order_relaxed) &
-		      E_HELD))
-			n++;
-	return n;
+	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
+		for (struct kl__entry *e = s->buckets[b]; e != NULL;
+		     e = e->next) {
+			if (state_of(e, memory_order_relaxed) & E_HELD)
+				++*held;
+			else
+				++*idle;
+		}
 }
 
 size_t
 kl__table_size(struct kl__table *t)
 {
-	size_t n = 0;
+	size_t held = 0, idle = 0;
 
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_lock(&t->shards[i].lock);
 	for (int i = 0; i < NSHARDS; i++)
-		n += t->shards[i].count - idle_of(&t->shards[i]);
+		count_entries(&t->shards[i], &held, &idle);
 	for (int i = NSHARDS - 1; i >= 0; i--)
 		pthread_mutex_unlock(&t->shards[i].lock);
-	return n;
+	return held;
 }
 
 int
@@ -613,10 +674,8 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	struct kl__entry *e;
 
 	pthread_mutex_lock(&s->lock);
-	e = find(s, h, key, len);
-	*holders = e != NULL && (atomic_load_explicit(&e->q.user,
-						      memory_order_relaxed) &
-				 E_HELD);
+	e = find(s, h, key, len, NULL);
+	*holders = e != NULL && (state_of(e, memory_order_relaxed) & E_HELD);
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -639,8 +698,7 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 		struct shard *s = &t->shards[i];
 
 		pthread_mutex_lock(&s->lock);
-		out->entries += s->count - idle_of(s);
-		out->idle += idle_of(s);
+		count_entries(s, &out->entries, &out->idle);
 		out->lookups += s->lookups;
 		out->probes += s->probes;
 		if (s->buckets != NULL) {
@@ -662,44 +720,6 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 #ifdef KL_TEST_HOOKS
 /* GCOVR_EXCL_START: invariant checks of the test build; their failure
  * branches run only on a broken invariant, and users never get them. */
-static bool
-kept_slot(const struct shard *s, const struct kl__entry *e)
-{
-	for (unsigned i = 0; i < NKEPT; i++)
-		if (s->kept[i] == e)
-			return true;
-	return false;
-}
-
-/* kept[]: no entry twice, each one linked (check_entry checks the rest). */
-static int
-check_kept(struct shard *s, int i)
-{
-	for (unsigned k = 0; k < NKEPT; k++) {
-		struct kl__entry *v = s->kept[k], *e = NULL;
-
-		if (v == NULL)
-			continue;
-		for (unsigned j = k + 1; j < NKEPT; j++)
-			if (s->kept[j] == v) {
-				kl__test_report("shard %d: kept[%u] and "
-						"kept[%u] are one entry",
-						i, k, j);
-				return KL_EINVAL;
-			}
-		if (s->buckets != NULL)
-			for (e = s->buckets[v->hash & s->mask];
-			     e != NULL && e != v; e = e->next)
-				;
-		if (e == NULL) {
-			kl__test_report("shard %d: kept[%u] is not linked", i,
-					k);
-			return KL_EINVAL;
-		}
-	}
-	return KL_OK;
-}
-
 /* One entry of shard i, found in bucket b.  Lock held. */
 static int
 check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
@@ -709,11 +729,6 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 	unsigned st;
 
 	kl__key_printable(shown, sizeof shown, e->key, e->len);
-	if (e == s->spare) {
-		kl__test_report("shard %d: spare entry '%s' is linked", i,
-				shown);
-		return KL_EINVAL;
-	}
 	if (shard_of(t, e->hash) != s || (e->hash & s->mask) != b) {
 		kl__test_report("shard %d bucket %zu: entry '%s' belongs in "
 				"shard %u bucket %zu",
@@ -733,37 +748,22 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
-	st = atomic_load_explicit(&e->q.user, memory_order_acquire);
-	if (st & ~(E_HELD | E_WAITERS | E_KEPT)) {
+	/* A holder may give its key back at any moment (HELD -> 0), so
+	 * only a word with waiters marked, or a free one, is stable here. */
+	st = state_of(e, memory_order_acquire);
+	if (st != 0 && st != E_HELD && st != (E_HELD | E_WAITERS)) {
 		kl__test_report("shard %d: entry '%s' has state %#x", i,
 				shown, st);
 		return KL_EINVAL;
 	}
-	if (!(st & E_KEPT) != !kept_slot(s, e)) {
-		kl__test_report("shard %d: entry '%s' is %skept but %sin "
-				"kept[]",
-				i, shown, (st & E_KEPT) ? "" : "not ",
-				kept_slot(s, e) ? "" : "not ");
-		return KL_EINVAL;
-	}
-	/* A kept entry's holder may give it back at any moment, so only a
-	 * word with waiters or without E_KEPT is stable here. */
-	if (!(st & (E_HELD | E_KEPT)) ||
-	    (!(st & E_HELD) && (st & E_WAITERS))) {
-		kl__test_report("shard %d: entry '%s' is linked, free and "
-				"not kept (state %#x)",
-				i, shown, st);
-		return KL_EINVAL;
-	}
-	if (e->q.len > 0 && st != (E_HELD | E_WAITERS) &&
-	    st != (E_HELD | E_WAITERS | E_KEPT)) {
+	if (e->q.len > 0 && st != (E_HELD | E_WAITERS)) {
 		kl__test_report("shard %d: entry '%s' has %zu waiters, state "
 				"%#x",
 				i, shown, (size_t)e->q.len, st);
 		return KL_EINVAL;
 	}
 	if (e->owner_tid == 0) {
-		kl__test_report("shard %d: entry '%s' has no holder", i,
+		kl__test_report("shard %d: entry '%s' never had a holder", i,
 				shown);
 		return KL_EINVAL;
 	}
@@ -778,20 +778,51 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 	return kl__waitq_check(&e->q, &s->lock, what);
 }
 
+/* The stash of shard i: nstash unlinked entries of inline size. */
+static int
+check_stash(struct shard *s, int i)
+{
+	unsigned n = 0;
+
+	for (struct kl__entry *e = s->stash; e != NULL; e = e->next) {
+		if (++n > s->nstash || n > STASH_MAX) {
+			kl__test_report("shard %d: stash longer than %u (or "
+					"a cycle)",
+					i, s->nstash);
+			return KL_EINVAL;
+		}
+		if (e->len >= INLINE_KEY) {
+			kl__test_report("shard %d: stash has a %u-byte key",
+					i, (unsigned)e->len);
+			return KL_EINVAL;
+		}
+		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
+			for (struct kl__entry *o = s->buckets[b]; o != NULL;
+			     o = o->next)
+				if (o == e) {
+					kl__test_report("shard %d: stashed "
+							"entry is linked",
+							i);
+					return KL_EINVAL;
+				}
+	}
+	if (n != s->nstash) {
+		kl__test_report("shard %d: %u stashed, nstash %u", i, n,
+				s->nstash);
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+
 /* Shard i.  Lock held. */
 static int
 check_shard(struct kl__table *t, int i)
 {
 	struct shard *s = &t->shards[i];
-	size_t n = 0, count = s->count, nb = s->mask + 1;
+	size_t n = 0, count = count_of(s), nb = s->mask + 1;
 	int rc = KL_OK;
 
-	if (s->spare != NULL && s->spare->len >= INLINE_KEY) {
-		kl__test_report("shard %d: spare of a %u-byte key", i,
-				(unsigned)s->spare->len);
-		rc = KL_EINVAL;
-	}
-	if (check_kept(s, i) != KL_OK)
+	if (check_stash(s, i) != KL_OK)
 		rc = KL_EINVAL;
 	if (s->buckets == NULL) {
 		if (count != 0 || s->mask != 0) {
@@ -848,7 +879,7 @@ kl__table_skew(struct kl__table *t, long delta)
 	struct shard *s = &t->shards[0];
 
 	pthread_mutex_lock(&s->lock);
-	s->count += (size_t)delta;
+	set_count(s, count_of(s) + (size_t)delta);
 	pthread_mutex_unlock(&s->lock);
 }
 /* GCOVR_EXCL_STOP */

@@ -3,8 +3,8 @@
  * The key table: a sharded hash table from key bytes to a wait-queue entry.
  * Entries are made on first use and freed once no holder and no waiter
  * remain, decided under the shard lock that also guards the entry's queue;
- * a few recently released ones per shard stay linked while idle (see
- * table.c), so a key taken over and over is not rebuilt each time.
+ * a small shard leaves a few released ones linked while idle (see table.c),
+ * so that a key taken over and over is not rebuilt each time.
  */
 #ifndef KL_TABLE_H
 #define KL_TABLE_H
@@ -30,15 +30,13 @@ struct kl__entry {
 };
 
 #define KL__TABLE_SHARDS 64
-/* Idle entries a shard keeps linked (see table.c), and the longest key it
- * keeps: 64 shards x 4 entries of at most 192 bytes bound the idle
- * memory. */
-#define KL__TABLE_KEPT 4
-#define KL__TABLE_KEEP_KEY_MAX 128
+/* A shard of at most this many linked entries leaves released entries
+ * linked, idle (see table.c): it bounds the idle entries of a shard. */
+#define KL__TABLE_SMALL 16
 
 struct kl__table_stats {
 	size_t entries;    /* keys held (waited for only when held) */
-	size_t idle;       /* entries kept linked while free */
+	size_t idle;       /* entries left linked while free */
 	size_t buckets;    /* buckets over all shards */
 	size_t max_chain;  /* longest bucket chain now */
 	uint64_t lookups;  /* lookups since the table was made */
@@ -89,14 +87,16 @@ kl__entry_of_lock(kl_lock **word)
 	return (struct kl__entry *)(void *)((char *)word -
 					    offsetof(struct kl__entry, lock));
 }
-/* Hands the key to the next waiter, or frees the entry when none waits. */
+/* Hands the key to the next waiter, or leaves the entry idle or frees it
+ * when none waits. */
 KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
 KL_HIDDEN size_t kl__table_size(struct kl__table *t);
 KL_HIDDEN void kl__table_stats(struct kl__table *t,
 			       struct kl__table_stats *out);
-/* The shard that key falls in (for tests that fill one shard). */
-KL_HIDDEN unsigned kl__table_shard_of(const struct kl__table *t,
-				      const char *key, size_t len);
+/* The 32 bits of key's hash that t keeps: the top 6 pick the shard, the
+ * low ones the bucket (for tests that fill one shard or bucket). */
+KL_HIDDEN uint32_t kl__table_hash(const struct kl__table *t, const char *key,
+				  size_t len);
 /* Holders (0 or 1) and waiters of key. */
 KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
 			       size_t len, size_t *holders, size_t *waiters);
@@ -107,9 +107,9 @@ KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
 #ifdef KL_TEST_HOOKS
 /* Checks every shard of t under its lock: bucket array shape, each entry in
  * its hash's shard and bucket, its hash matching its key, no key twice,
- * every entry held or kept idle, its state word consistent with its queue
- * and kept[], its fence issued, the count matching the chains,
- * every queue consistent (kl__waitq_check), the spare unlinked.  KL_OK or
+ * every state word valid and consistent with its queue, every fence
+ * issued, the count matching the chains, every queue consistent
+ * (kl__waitq_check), the stash unlinked and as long as its count.  KL_OK or
  * KL_EINVAL after reporting to stderr. */
 KL_HIDDEN int kl__table_check(struct kl__table *t);
 /* See kl__test_table_skew. */

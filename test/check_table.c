@@ -248,7 +248,7 @@ START_TEST(test_entry_reused_sequentially)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-/* Kept entries: the last keys released stay linked, idle               */
+/* Idle entries: a small shard leaves released entries linked          */
 
 static struct kl__table_stats
 stats_of(struct kl__table *t)
@@ -259,7 +259,24 @@ stats_of(struct kl__table *t)
 	return st;
 }
 
-START_TEST(test_kept_entry_idle_and_reused)
+/* n keys "k<j>" whose hashes in t share the shard of "k0" and, with
+ * same_bucket, its bucket in a shard of the minimum 8 buckets. */
+static void
+same_shard_keys(struct kl__table *t, char keys[][24], int n, bool same_bucket)
+{
+	uint32_t want = kl__table_hash(t, "k0", 2);
+	uint32_t mask = same_bucket ? (63u << 26) | 7u : 63u << 26;
+
+	snprintf(keys[0], 24, "k0");
+	for (int i = 1, j = 1; i < n; j++) {
+		snprintf(keys[i], 24, "k%d", j);
+		if ((kl__table_hash(t, keys[i], strlen(keys[i])) & mask) ==
+		    (want & mask))
+			i++;
+	}
+}
+
+START_TEST(test_idle_entry_reused)
 {
 	struct kl__table *t = table_new();
 	struct kl__entry *e, *again;
@@ -270,6 +287,7 @@ START_TEST(test_kept_entry_idle_and_reused)
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_uint_eq(stats_of(t).entries, 0);
 	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_uint_eq(kl__table_queue_size(t, "hot", 3), 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 
 	/* Taken again: the same entry, held, a larger fence. */
@@ -283,26 +301,49 @@ START_TEST(test_kept_entry_idle_and_reused)
 	kl__table_release(t, again);
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_int_eq(other_try(t, "hot", 3, 0), KL_OK);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t); /* frees the idle entry: LSan and Valgrind */
+}
+END_TEST
 
-	/* Long keys are never kept. */
-	{
-		char big[KL__TABLE_KEEP_KEY_MAX + 8];
+/* A new key takes over an idle entry of its bucket, which then belongs to
+ * the new key only. */
+START_TEST(test_idle_entry_taken_over)
+{
+	struct kl__table *t = table_new();
+	char keys[2][24];
+	struct kl__entry *a, *b;
+	uint64_t fa, fb;
 
-		memset(big, 'b', sizeof big);
-		ck_assert_int_eq(acquire(t, big, sizeof big, past(), &e,
-					 NULL),
-				 KL_OK);
-		kl__table_release(t, e);
-		ck_assert_uint_eq(stats_of(t).idle, 1); /* "hot" only */
-	}
+	same_shard_keys(t, keys, 2, true);
+	ck_assert_int_eq(acquire(t, keys[0], strlen(keys[0]), past(), &a,
+				 &fa),
+			 KL_OK);
+	kl__table_release(t, a);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_int_eq(acquire(t, keys[1], strlen(keys[1]), past(), &b,
+				 &fb),
+			 KL_OK);
+	ck_assert_ptr_eq(b, a);
+	ck_assert_uint_gt(fb, fa);
+	ck_assert_str_eq(kl__entry_key(b), keys[1]);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_uint_eq(stats_of(t).entries, 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* keys[0] has no entry now: free, and a new one is made for it. */
+	ck_assert_int_eq(other_try(t, keys[0], strlen(keys[0]), 0), KL_OK);
+	ck_assert_int_eq(other_try(t, keys[1], strlen(keys[1]), 0),
+			 KL_ETIMEDOUT);
+	kl__table_release(t, b);
+	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_free(t);
 }
 END_TEST
 
-/* A kept, held entry with waiters must be handed over in order, not given
- * back by the holder's compare-and-swap. */
-START_TEST(test_kept_entry_hands_off_in_order)
+/* An idle entry taken again, with waiters, must be handed over in order,
+ * not given back by the holder's compare-and-swap. */
+START_TEST(test_idle_entry_hands_off_in_order)
 {
 	struct kl__table *t = table_new();
 	struct tthread w[3];
@@ -335,15 +376,13 @@ END_TEST
 
 /* A waiter that times out leaves its mark on the entry: the next release
  * goes through the lock, finds nobody, and leaves the entry idle. */
-START_TEST(test_kept_entry_after_waiter_timed_out)
+START_TEST(test_idle_entry_after_waiter_timed_out)
 {
 	struct kl__table *t = table_new();
 	struct tthread w;
 	struct kl__entry *e;
 
 	memset(&w, 0, sizeof w);
-	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
-	kl__table_release(t, e);
 	ck_assert_int_eq(acquire(t, "k", 1, past(), &e, NULL), KL_OK);
 	tthread_start(&w, t, "k", 1, in_ms(30));
 	tthread_join(&w);
@@ -367,70 +406,54 @@ START_TEST(test_kept_entry_after_waiter_timed_out)
 }
 END_TEST
 
-/* n keys of the form "<prefix><i>" that all fall in the shard of "k0". */
-#define SAME_SHARD_KEYS (KL__TABLE_KEPT + 2)
+#define BIG_SHARD (KL__TABLE_SMALL + 4)
 
-static void
-same_shard_keys(struct kl__table *t, char keys[][24], int n)
-{
-	unsigned want = kl__table_shard_of(t, "k0", 2);
-
-	snprintf(keys[0], 24, "k0");
-	for (int i = 1, j = 1; i < n; j++) {
-		snprintf(keys[i], 24, "k%d", j);
-		if (kl__table_shard_of(t, keys[i], strlen(keys[i])) == want)
-			i++;
-	}
-}
-
-START_TEST(test_kept_entries_bounded_per_shard)
+START_TEST(test_idle_entries_bounded_per_shard)
 {
 	struct kl__table *t = table_new();
-	char keys[SAME_SHARD_KEYS][24];
-	struct kl__entry *e[SAME_SHARD_KEYS];
-	const int kept = KL__TABLE_KEPT;
+	char (*keys)[24] = malloc(200 * sizeof *keys);
+	struct kl__entry *e[BIG_SHARD];
 
-	same_shard_keys(t, keys, SAME_SHARD_KEYS);
-	/* Released one by one: the shard keeps only the last KEPT. */
-	for (int i = 0; i < SAME_SHARD_KEYS; i++) {
+	ck_assert_ptr_nonnull(keys);
+	same_shard_keys(t, keys, 200, false);
+	for (int i = 0; i < BIG_SHARD; i++)
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
 					 &e[i], NULL),
 				 KL_OK);
+	/* A big shard unlinks what it releases, down to SMALL entries;
+	 * from there on, released entries stay idle. */
+	for (int i = 0; i < BIG_SHARD; i++) {
+		size_t want = i < BIG_SHARD - KL__TABLE_SMALL
+				      ? 0
+				      : (size_t)(i - (BIG_SHARD -
+						      KL__TABLE_SMALL) + 1);
+
 		kl__table_release(t, e[i]);
-		ck_assert_uint_eq(stats_of(t).idle,
-				  (size_t)(i + 1 < kept ? i + 1 : kept));
-		ck_assert_int_eq(kl__table_check(t), KL_OK);
+		ck_assert_uint_eq(stats_of(t).idle, want);
+		ck_assert_uint_eq(stats_of(t).entries,
+				  (size_t)(BIG_SHARD - i - 1));
 	}
-	/* Hold the kept ones: a release of another key cannot evict a held
-	 * entry, so that entry goes. */
-	for (int i = SAME_SHARD_KEYS - kept; i < SAME_SHARD_KEYS; i++)
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* New keys of the shard, one at a time: inserts sweep, so the idle
+	 * entries never pass SMALL. */
+	for (int i = BIG_SHARD; i < 200; i++) {
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
-					 &e[i], NULL),
+					 &e[0], NULL),
 				 KL_OK);
-	ck_assert_uint_eq(stats_of(t).idle, 0);
-	ck_assert_int_eq(acquire(t, keys[0], 2, past(), &e[0], NULL), KL_OK);
-	kl__table_release(t, e[0]);
-	ck_assert_uint_eq(stats_of(t).idle, 0);
-	ck_assert_uint_eq(stats_of(t).entries, (size_t)kept);
+		kl__table_release(t, e[0]);
+		ck_assert_uint_le(stats_of(t).idle, KL__TABLE_SMALL);
+		ck_assert_uint_eq(kl__table_size(t), 0);
+	}
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	/* Given back without the lock, they are idle again, and the next
-	 * release of another key evicts one of them. */
-	for (int i = SAME_SHARD_KEYS - kept; i < SAME_SHARD_KEYS; i++)
-		kl__table_release(t, e[i]);
-	ck_assert_uint_eq(stats_of(t).idle, (size_t)kept);
-	ck_assert_int_eq(acquire(t, keys[0], 2, past(), &e[0], NULL), KL_OK);
-	kl__table_release(t, e[0]);
-	ck_assert_uint_eq(stats_of(t).idle, (size_t)kept);
-	ck_assert_uint_eq(kl__table_size(t), 0);
-	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	for (int i = 0; i < SAME_SHARD_KEYS; i++)
+	for (int i = 0; i < 200; i++)
 		ck_assert_int_eq(other_try(t, keys[i], strlen(keys[i]), 0),
 				 KL_OK);
+	free(keys);
 	kl__table_free(t);
 }
 END_TEST
 
-START_TEST(test_kept_entries_bounded_overall)
+START_TEST(test_idle_entries_bounded_overall)
 {
 	struct kl__table *t = table_new();
 	char key[32];
@@ -445,7 +468,7 @@ START_TEST(test_kept_entries_bounded_overall)
 	}
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_uint_le(stats_of(t).idle,
-			  (size_t)KL__TABLE_SHARDS * KL__TABLE_KEPT);
+			  (size_t)KL__TABLE_SHARDS * KL__TABLE_SMALL);
 	ck_assert_uint_gt(stats_of(t).idle, 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_free(t); /* frees the idle entries: LSan and Valgrind */
@@ -691,7 +714,7 @@ START_TEST(test_cancel_prefired)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-/* The bug hunt: the last release (entry freed or kept) racing acquires */
+/* The bug hunt: the last release (entry freed or idle) racing acquires */
 
 #define RACE_THREADS 4
 #define RACE_MAX_KEYS 4
@@ -816,9 +839,9 @@ START_TEST(test_last_release_races_acquire)
 }
 END_TEST
 
-/* Kept entries given back by CAS while others try once or time out and
+/* Entries given back by CAS while others try once or time out and
  * leave marks: still one holder at a time, every fence larger. */
-START_TEST(test_kept_release_races_timeouts)
+START_TEST(test_cas_release_races_timeouts)
 {
 	race_run(true);
 }
@@ -1323,11 +1346,12 @@ table_suite(void)
 	tc = tcase_create("lifecycle");
 	tcase_add_test(tc, test_entry_freed_on_last_release);
 	tcase_add_test(tc, test_entry_reused_sequentially);
-	tcase_add_test(tc, test_kept_entry_idle_and_reused);
-	tcase_add_test(tc, test_kept_entry_hands_off_in_order);
-	tcase_add_test(tc, test_kept_entry_after_waiter_timed_out);
-	tcase_add_test(tc, test_kept_entries_bounded_per_shard);
-	tcase_add_test(tc, test_kept_entries_bounded_overall);
+	tcase_add_test(tc, test_idle_entry_reused);
+	tcase_add_test(tc, test_idle_entry_taken_over);
+	tcase_add_test(tc, test_idle_entry_hands_off_in_order);
+	tcase_add_test(tc, test_idle_entry_after_waiter_timed_out);
+	tcase_add_test(tc, test_idle_entries_bounded_per_shard);
+	tcase_add_test(tc, test_idle_entries_bounded_overall);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("order");
@@ -1349,7 +1373,7 @@ table_suite(void)
 	tc = tcase_create("race");
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_last_release_races_acquire);
-	tcase_add_test(tc, test_kept_release_races_timeouts);
+	tcase_add_test(tc, test_cas_release_races_timeouts);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("keys");
