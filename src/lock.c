@@ -16,6 +16,9 @@
 
 struct kl_lock {
 	kl_provider *provider;
+	/* The provider's table when leases live in its entries (see
+	 * in_entry), else NULL: one load on every acquire and release. */
+	struct kl__table *table;
 	char *key; /* NULL: each call's key */
 	size_t key_len;
 	int64_t timeout_ms;
@@ -50,7 +53,7 @@ struct kl_lease {
 static bool
 in_entry(const kl_lock *l)
 {
-	return l->provider->table != NULL && l->on_event == NULL;
+	return l->table != NULL;
 }
 
 static kl_lock *
@@ -95,6 +98,7 @@ kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 	l->on_event = opts->on_event;
 	l->event_arg = opts->event_arg;
 	l->flags = opts->flags;
+	l->table = l->on_event == NULL ? l->provider->table : NULL;
 	*out = l;
 	return KL_OK;
 }
@@ -194,7 +198,7 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 	uint64_t fence;
 	int rc;
 
-	rc = kl__table_acquire(l->provider->table, key, len,
+	rc = kl__table_acquire(l->table, key, len,
 			       kl__deadline(l->timeout_ms),
 			       call != NULL ? call->cancel : NULL, l->flags,
 			       &e, &fence);
@@ -341,7 +345,7 @@ kl_lease_release(kl_lease *lease)
 		return;
 	l = lease_lock(lease);
 	if (in_entry(l)) {
-		kl__table_release(l->provider->table, lease_entry(lease));
+		kl__table_release(l->table, lease_entry(lease));
 		return;
 	}
 	release(lease);

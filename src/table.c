@@ -18,10 +18,14 @@
  * shard holds at most about SMALL idle entries, and memory follows the keys
  * held.
  *
- * An entry's state word (E_HELD, E_WAITERS, in the wait queue's user word)
- * changes under the shard lock, with one exception: in a small shard, the
- * holder of an entry no waiter has marked gives the key back with one
- * compare-and-swap, HELD -> free, without the lock.  Everything else is
+ * An entry's state word (E_HELD, E_CAS, E_WAITERS, in the wait queue's
+ * user word) changes under the shard lock, with one exception: the holder
+ * of an entry taken while its shard was small (E_CAS) and not marked by a
+ * waiter gives the key back with one compare-and-swap, HELD|CAS -> free,
+ * without the lock (and without even finding the shard).  At most SMALL + 1
+ * entries of a shard can hold E_CAS at once, as each was taken with at most
+ * SMALL entries linked, so such releases leave a shard that grew meanwhile
+ * with a bounded number of idle entries too.  Everything else is
  * written so that this CAS cannot succeed when the lock-holder relies on
  * the word staying put: a waiter sets E_WAITERS (by CAS, as the holder may
  * be releasing) before it queues, and only a release under the lock clears
@@ -68,6 +72,7 @@
 /* The state word of an entry (its q.user); 0 is free. */
 #define E_HELD 1u    /* a holder has the key */
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
+#define E_CAS 4u     /* with E_HELD: taken in a small shard, see above */
 
 struct shard {
 	pthread_mutex_t lock;
@@ -84,6 +89,9 @@ struct shard {
 	size_t mask;  /* buckets - 1; 0 while no bucket array exists */
 	uint64_t fence;
 	uint64_t lookups, probes;
+	/* Buckets by SipHash (see hash_of), keyed with sk. */
+	bool strong;
+	uint64_t sk[2];
 } __attribute__((aligned(64)));
 
 /* No global count of entries: every acquire and release on any key would
@@ -91,7 +99,8 @@ struct shard {
  * with all of them locked at once. */
 struct kl__table {
 	struct shard shards[NSHARDS];
-	uint64_t k0, k1; /* kl__hash's seed (see kl__hash_seed) */
+	/* Keys of the fast hash, drawn from kl__hash's seed: see hash_of. */
+	uint64_t fk[3];
 };
 
 static size_t
@@ -113,11 +122,29 @@ state_of(struct kl__entry *e, memory_order mo)
 	return atomic_load_explicit(&e->q.user, mo);
 }
 
+/* Keys for the fast hash and for SipHash, from the process's seed: the
+ * fast hash's never meet SipHash's, and tables made after
+ * kl__test_set_hash_seed hash alike. */
 static void
-shard_init(struct shard *s)
+table_init(struct kl__table *t)
 {
-	pthread_mutex_init(&s->lock, NULL);
-	KL_ANNOTATE_ATOMIC(&s->count);
+	uint64_t k0, k1;
+
+	kl__hash_seed(&k0, &k1);
+	for (int i = 0; i < 3; i++) {
+		char tag[] = "keylock fast hash 0";
+
+		tag[sizeof tag - 2] = (char)('0' + i);
+		t->fk[i] = kl__siphash(k0, k1, tag, sizeof tag - 1) | 1;
+	}
+	for (int i = 0; i < NSHARDS; i++) {
+		struct shard *s = &t->shards[i];
+
+		pthread_mutex_init(&s->lock, NULL);
+		KL_ANNOTATE_ATOMIC(&s->count);
+		s->sk[0] = k0;
+		s->sk[1] = k1;
+	}
 }
 
 int
@@ -129,9 +156,7 @@ kl__table_new(struct kl__table **out)
 	if ((t = kl__aligned_alloc(64, sizeof *t)) == NULL)
 		return KL_ENOMEM;
 	memset(t, 0, sizeof *t);
-	for (int i = 0; i < NSHARDS; i++)
-		shard_init(&t->shards[i]);
-	kl__hash_seed(&t->k0, &t->k1);
+	table_init(t);
 	*out = t;
 	return KL_OK;
 }
@@ -142,9 +167,7 @@ static pthread_once_t shared_once = PTHREAD_ONCE_INIT;
 static void
 shared_init(void)
 {
-	for (int i = 0; i < NSHARDS; i++)
-		shard_init(&shared_table.shards[i]);
-	kl__hash_seed(&shared_table.k0, &shared_table.k1);
+	table_init(&shared_table);
 }
 
 struct kl__table *
@@ -189,10 +212,91 @@ kl__table_free(struct kl__table *t)
  * never overlap). */
 #define MAX_BUCKETS ((size_t)1 << 26)
 
-static uint32_t
+/* The table's hash.  SipHash of every key cost a keyed acquire about a
+ * third of its time, so the table hashes with a keyed multiply-fold hash
+ * instead: 128-bit products of key words and secret words, folded.  It is
+ * not a proven PRF, so a shard does not trust it: a bucket chain of
+ * CHAIN_LIMIT entries (about 1e-9 likely per insert with random keys, as
+ * shards grow at one entry per bucket) makes the shard index its buckets by
+ * SipHash of the key from then on ("strong"), so that keys crafted to
+ * collide under the fast hash spread out again.  The shard itself still
+ * comes from the fast hash: a flood can crowd one shard's lock, never
+ * lengthen its chains. */
+#define CHAIN_LIMIT 12
+
+static inline uint64_t
+fold(uint64_t a, uint64_t b)
+{
+	unsigned __int128 p = (unsigned __int128)a * b;
+
+	return (uint64_t)p ^ (uint64_t)(p >> 64);
+}
+
+static inline uint64_t
+ld64(const char *p)
+{
+	uint64_t v;
+
+	memcpy(&v, p, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+	v = __builtin_bswap64(v);
+#endif
+	return v;
+}
+
+static inline uint64_t
+ld32(const char *p)
+{
+	uint32_t v;
+
+	memcpy(&v, p, 4);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+	v = __builtin_bswap32(v);
+#endif
+	return v;
+}
+
+/* Keys of up to 16 bytes, the common case, take two multiplications: the
+ * first and last 8 (or 4) bytes, overlapping, with the length. */
+static inline __attribute__((always_inline)) uint32_t
 hash_of(const struct kl__table *t, const char *key, size_t len)
 {
-	return (uint32_t)(kl__siphash(t->k0, t->k1, key, len) >> 32);
+	uint64_t a, b, h;
+
+	if (__builtin_expect(len > 16, 0)) {
+		h = t->fk[2];
+		for (; len > 16; key += 16, len -= 16)
+			h = fold(ld64(key) ^ t->fk[0], ld64(key + 8) ^ h);
+		/* The last 1..16 bytes below, mixed with h. */
+	} else {
+		h = 0;
+	}
+	if (len >= 8) {
+		a = ld64(key);
+		b = ld64(key + len - 8);
+	} else if (len >= 4) {
+		a = ld32(key);
+		b = ld32(key + len - 4);
+	} else if (len > 0) {
+		a = ((uint64_t)(unsigned char)key[0] << 16) |
+		    ((uint64_t)(unsigned char)key[len >> 1] << 8) |
+		    (unsigned char)key[len - 1];
+		b = 0;
+	} else {
+		a = b = 0;
+	}
+	h = fold(a ^ t->fk[0], b ^ t->fk[1] ^ h ^ len);
+	return (uint32_t)(fold(h, t->fk[2]) >> 32);
+}
+
+/* The bucket of a key with hash h in s.  Lock held. */
+static inline size_t
+bucket_of(const struct shard *s, uint32_t h, const char *key, size_t len)
+{
+	if (__builtin_expect(s->strong, 0))
+		return (size_t)kl__siphash(s->sk[0], s->sk[1], key, len) &
+		       s->mask;
+	return h & s->mask;
 }
 
 static struct shard *
@@ -244,7 +348,7 @@ same_bytes(const char *a, const char *b, size_t len)
 /* The entry of key, or NULL.  With reuse, also an idle entry of the same
  * bucket that can take the key over (both inline-sized), if any.  Lock
  * held. */
-static struct kl__entry *
+static inline __attribute__((always_inline)) struct kl__entry *
 find(struct shard *s, uint32_t h, const char *key, size_t len,
      struct kl__entry **reuse)
 {
@@ -253,7 +357,8 @@ find(struct shard *s, uint32_t h, const char *key, size_t len,
 	s->lookups++;
 	if (s->buckets == NULL)
 		return NULL;
-	for (e = s->buckets[h & s->mask]; e != NULL; e = e->next) {
+	for (e = s->buckets[bucket_of(s, h, key, len)]; e != NULL;
+	     e = e->next) {
 		s->probes++;
 		if (e->hash == h && e->len == len &&
 		    same_bytes(e->key, key, len))
@@ -268,26 +373,48 @@ find(struct shard *s, uint32_t h, const char *key, size_t len,
 
 /* Rebuilds the bucket array with n buckets (a power of two).  On allocation
  * failure the old array stays: a full table is slower, never wrong. */
-static void
+static bool
 rehash(struct shard *s, size_t n)
 {
 	struct kl__entry **nb = kl__calloc(n, sizeof *nb);
 	size_t old = s->buckets != NULL ? s->mask + 1 : 0;
 
 	if (nb == NULL)
-		return;
+		return false;
+	s->mask = n - 1;
 	for (size_t i = 0; i < old; i++) {
 		struct kl__entry *e = s->buckets[i], *next;
 
 		for (; e != NULL; e = next) {
+			size_t b = bucket_of(s, e->hash, e->key, e->len);
+
 			next = e->next;
-			e->next = nb[e->hash & (n - 1)];
-			nb[e->hash & (n - 1)] = e;
+			e->next = nb[b];
+			nb[b] = e;
 		}
 	}
 	kl__free(s->buckets);
 	s->buckets = nb;
-	s->mask = n - 1;
+	return true;
+}
+
+/* A chain of CHAIN_LIMIT in a shard that trusts the fast hash: index the
+ * buckets by SipHash from now on (see hash_of).  Lock held. */
+static void
+check_chain(struct shard *s, uint32_t h, const char *key, size_t len)
+{
+	size_t n = 0;
+
+	if (s->strong || s->buckets == NULL)
+		return;
+	for (struct kl__entry *e = s->buckets[bucket_of(s, h, key, len)];
+	     e != NULL && n < CHAIN_LIMIT; e = e->next)
+		n++;
+	if (n < CHAIN_LIMIT)
+		return;
+	s->strong = true;
+	if (!rehash(s, s->mask + 1))
+		s->strong = false; /* out of memory: try again next time */
 }
 
 /* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard whose
@@ -299,10 +426,7 @@ maybe_shrink(struct shard *s)
 	size_t n = count_of(s);
 
 	while (s->mask + 1 > MIN_BUCKETS && n < (s->mask + 1) / 4) {
-		size_t before = s->mask;
-
-		rehash(s, (s->mask + 1) / 2);
-		if (s->mask == before)
+		if (!rehash(s, (s->mask + 1) / 2))
 			break; /* out of memory: stay as is */
 	}
 }
@@ -361,11 +485,12 @@ insert(struct shard *s, uint32_t h, const char *key,
 		n = count_of(s);
 	}
 	if (s->buckets == NULL) {
-		rehash(s, MIN_BUCKETS);
-		if (s->buckets == NULL)
+		if (!rehash(s, MIN_BUCKETS))
 			return KL_ENOMEM;
 	} else if (n >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS) {
 		rehash(s, (s->mask + 1) * 2);
+	} else {
+		check_chain(s, h, key, len);
 	}
 	if (len < INLINE_KEY && s->stash != NULL) {
 		e = s->stash;
@@ -381,12 +506,13 @@ insert(struct shard *s, uint32_t h, const char *key,
 	e->len = (uint32_t)len;
 	kl__waitq_init(&e->q, &s->lock);
 	KL_ANNOTATE_ATOMIC(&e->q.user);
-	atomic_store_explicit(&e->q.user, E_HELD, memory_order_relaxed);
+	atomic_store_explicit(&e->q.user, n + 1 <= SMALL ? E_HELD | E_CAS : E_HELD,
+			      memory_order_relaxed);
 	e->owner_tid = kl__thread_id();
 	e->lock = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
-	b = h & s->mask;
+	b = bucket_of(s, h, key, len);
 	e->next = s->buckets[b];
 	s->buckets[b] = e;
 	set_count(s, n + 1);
@@ -397,7 +523,8 @@ insert(struct shard *s, uint32_t h, const char *key,
 static void
 unlink_entry(struct shard *s, struct kl__entry *e)
 {
-	struct kl__entry **pp = &s->buckets[e->hash & s->mask];
+	struct kl__entry **pp =
+		&s->buckets[bucket_of(s, e->hash, e->key, e->len)];
 
 	while (*pp != e)
 		pp = &(*pp)->next;
@@ -406,6 +533,13 @@ unlink_entry(struct shard *s, struct kl__entry *e)
 	if (s->swept > count_of(s))
 		s->swept = count_of(s);
 	maybe_shrink(s);
+}
+
+/* The state word of an entry just taken.  Lock held. */
+static unsigned
+held_word(struct shard *s)
+{
+	return count_of(s) <= SMALL ? E_HELD | E_CAS : E_HELD;
 }
 
 /* Takes e, free, for the caller (with key, when e is an idle entry of
@@ -427,7 +561,7 @@ take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
 	e->owner_tid = kl__thread_id();
 	e->lock = NULL;
 	*fence = e->fence = ++s->fence;
-	atomic_store_explicit(&e->q.user, E_HELD, memory_order_relaxed);
+	atomic_store_explicit(&e->q.user, held_word(s), memory_order_relaxed);
 	*out = e;
 }
 
@@ -591,18 +725,17 @@ release_locked(struct shard *s, struct kl__entry *e)
 {
 	struct kl__waiter *w;
 	void *wake = NULL;
-	unsigned st;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes the word now: a releaser's CAS
-	 * needs E_HELD alone, and the caller is the holder. */
-	st = state_of(e, memory_order_relaxed);
+	 * needs HELD|CAS alone, and the caller is the holder. */
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
 		e->owner_tid = w->tid;
 		w->data = e->fence = ++s->fence;
-		if (e->q.len == 0)
-			atomic_store_explicit(&e->q.user, st & ~E_WAITERS,
-					      memory_order_relaxed);
+		atomic_store_explicit(&e->q.user,
+				      held_word(s) |
+					      (e->q.len != 0 ? E_WAITERS : 0),
+				      memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
 	} else if (count_of(s) <= SMALL) {
@@ -622,19 +755,17 @@ release_locked(struct shard *s, struct kl__entry *e)
 void
 kl__table_release(struct kl__table *t, struct kl__entry *e)
 {
-	struct shard *s = shard_of(t, e->hash);
-	unsigned st = E_HELD;
+	unsigned st = E_HELD | E_CAS;
 
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
 	/* Release order: the next holder, which loads the word under the
 	 * shard lock, sees what this one wrote.  After it, e may be taken
 	 * over or freed. */
-	if (count_of(s) <= SMALL &&
-	    atomic_compare_exchange_strong_explicit(&e->q.user, &st, 0,
+	if (atomic_compare_exchange_strong_explicit(&e->q.user, &st, 0,
 						    memory_order_release,
 						    memory_order_relaxed))
 		return;
-	release_locked(s, e);
+	release_locked(shard_of(t, e->hash), e);
 }
 
 /* Held and idle entries of s.  Lock held. */
@@ -701,6 +832,7 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 		count_entries(s, &out->entries, &out->idle);
 		out->lookups += s->lookups;
 		out->probes += s->probes;
+		out->strong += s->strong;
 		if (s->buckets != NULL) {
 			out->buckets += s->mask + 1;
 			for (size_t b = 0; b <= s->mask; b++) {
@@ -729,11 +861,12 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 	unsigned st;
 
 	kl__key_printable(shown, sizeof shown, e->key, e->len);
-	if (shard_of(t, e->hash) != s || (e->hash & s->mask) != b) {
+	if (shard_of(t, e->hash) != s ||
+	    bucket_of(s, e->hash, e->key, e->len) != b) {
 		kl__test_report("shard %d bucket %zu: entry '%s' belongs in "
 				"shard %u bucket %zu",
 				i, b, shown, (unsigned)(e->hash >> 26),
-				(size_t)(e->hash & s->mask));
+				bucket_of(s, e->hash, e->key, e->len));
 		return KL_EINVAL;
 	}
 	if (hash_of(t, e->key, e->len) != e->hash || e->key[e->len] != '\0') {
@@ -748,15 +881,21 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
-	/* A holder may give its key back at any moment (HELD -> 0), so
+	/* A holder may give its key back at any moment (HELD|CAS -> 0), so
 	 * only a word with waiters marked, or a free one, is stable here. */
 	st = state_of(e, memory_order_acquire);
-	if (st != 0 && st != E_HELD && st != (E_HELD | E_WAITERS)) {
+	if (st != 0 && !(st & E_HELD)) {
 		kl__test_report("shard %d: entry '%s' has state %#x", i,
 				shown, st);
 		return KL_EINVAL;
 	}
-	if (e->q.len > 0 && st != (E_HELD | E_WAITERS)) {
+	if (st & ~(E_HELD | E_WAITERS | E_CAS)) {
+		kl__test_report("shard %d: entry '%s' has state %#x", i,
+				shown, st);
+		return KL_EINVAL;
+	}
+	if (e->q.len > 0 && (st & (E_HELD | E_WAITERS)) !=
+				    (E_HELD | E_WAITERS)) {
 		kl__test_report("shard %d: entry '%s' has %zu waiters, state "
 				"%#x",
 				i, shown, (size_t)e->q.len, st);

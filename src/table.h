@@ -41,6 +41,7 @@ struct kl__table_stats {
 	size_t max_chain;  /* longest bucket chain now */
 	uint64_t lookups;  /* lookups since the table was made */
 	uint64_t probes;   /* entries compared during those lookups */
+	size_t strong;     /* shards that index buckets by SipHash */
 };
 
 KL_HIDDEN int kl__table_new(struct kl__table **out);

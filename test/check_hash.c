@@ -13,16 +13,14 @@
  *     under unkeyed 32-bit FNV-1a, held at once as live entries of a
  *     memory provider: the longest bucket chain stays <= 16.  Time is not
  *     asserted.
- * (c) The documented worst case once the seed is known (the test hook
+ * (c) The worst case once the seed is known (the test hook
  *     kl__test_set_hash_seed fixes it): 20 000 keys brute-forced to share
- *     one shard and the bucket of a 64-bucket shard (12 bits of the hash,
- *     about 4096 tries a key).  There is no chain cap or treeify: as the
- *     shard grows to B buckets the keys spread over only B / 64 of them,
- *     so chains grow to about n * 64 / B (about 40 at n = 20 000, B =
- *     32 768), i.e. linear in what the attacker can afford to compute; the
- *     defence is the secret per-process seed, (a) and (b).  The test
- *     records the longest chain and the probes per lookup and asserts the
- *     bound 2 * n * 64 / B + 16.
+ *     one shard and the bucket of a 64-bucket shard under the table's fast
+ *     hash (12 bits, about 4096 tries a key).  Left alone, the chains would
+ *     grow to about n * 64 / B for B buckets; the shard notices a chain of
+ *     12 and indexes its buckets by SipHash from then on.  The test
+ *     asserts that exactly one shard did so and that the longest chain
+ *     stays <= 16, as with random keys.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -53,24 +51,32 @@
 #define FIXTURE_TARGET 0x4b4cu
 #define FLOOD_BITS 12 /* shard (6) and bucket of a 64-bucket shard (6) */
 
-/* The shard of a hash, as src/table.c picks it: its top 6 bits. */
+/* The shard of a layout value (see print_layout), as src/table.c picks
+ * it: the top 6 bits of the table's hash. */
 static unsigned
 shard_of(uint64_t h)
 {
 	return (unsigned)(h >> 58);
 }
 
-/* --print-layout: this process's hash of each layout key, one a line. */
+/* --print-layout: for each layout key, this process's table hash (the
+ * top 32 bits) and the low 32 bits of its kl__hash, one a line. */
 static int
 print_layout(void)
 {
+	struct kl__table *t;
 	char key[32];
 
+	if (kl__table_new(&t) != KL_OK)
+		return 1;
 	for (int i = 0; i < LAYOUT_KEYS; i++) {
 		int n = snprintf(key, sizeof key, "layout-%d", i);
+		uint64_t v = (uint64_t)kl__table_hash(t, key, (size_t)n) << 32 |
+			     (uint32_t)kl__hash(key, (size_t)n);
 
-		printf("%016" PRIx64 "\n", kl__hash(key, (size_t)n));
+		printf("%016" PRIx64 "\n", v);
 	}
+	kl__table_free(t);
 	return fflush(stdout) == 0 ? 0 : 1;
 }
 
@@ -355,46 +361,47 @@ hex_key(char *key, uint64_t i)
 
 START_TEST(test_known_seed_worst_case)
 {
-	const uint64_t mask = ((uint64_t)1 << (FLOOD_BITS - 6)) - 1;
+	const uint32_t mask = ((uint32_t)1 << (FLOOD_BITS - 6)) - 1;
 	size_t n = (size_t)kl_test_scaled(FIXTURE_KEYS, 1000), found = 0;
 	char **keys = calloc(n, sizeof *keys);
 	struct kl__table_stats st;
+	struct kl__table *probe;
 	uint64_t tries = 0;
-	size_t bound, spread;
 	char key[32];
 	int64_t t0 = now_ms();
 
 	ck_assert_ptr_nonnull(keys);
 	kl__test_set_hash_seed(0x0706050403020100ULL, 0x0f0e0d0c0b0a0908ULL);
-	/* Shard 0, and bucket 0 of a shard of 2^(FLOOD_BITS - 6) buckets:
-	 * src/table.c indexes buckets with the low bits of hash >> 32. */
+	/* Made after the seed is set, it hashes as hold_all's provider will.
+	 * Shard 0, and bucket 0 of a shard of 2^(FLOOD_BITS - 6) buckets
+	 * under the fast hash: src/table.c picks the shard with its top 6
+	 * bits and the bucket with its low bits. */
+	ck_assert_int_eq(kl__table_new(&probe), KL_OK);
 	while (found < n) {
 		size_t len = hex_key(key, tries++);
-		uint64_t h = kl__hash(key, len);
+		uint32_t h = kl__table_hash(probe, key, len);
 
-		if (shard_of(h) != 0 || ((h >> 32) & mask) != 0)
+		if ((h >> 26) != 0 || (h & mask) != 0)
 			continue;
 		keys[found] = strdup(key);
 		ck_assert_ptr_nonnull(keys[found]);
 		found++;
 	}
+	kl__table_free(probe);
 	hold_all(keys, n, &st);
-	ck_assert_uint_eq(st.entries, n);
-	ck_assert_uint_gt(st.buckets, 0);
-	/* The buckets the keys can reach, and the bound on the chains. */
-	spread = st.buckets >> (FLOOD_BITS - 6);
-	if (spread == 0)
-		spread = 1;
-	bound = 2 * n / spread + 16;
 	fprintf(stderr,
-		"check_hash: %zu keys in one shard and bucket class (%" PRIu64
-		" tries, %lld ms): %zu buckets, max chain %zu (bound %zu), "
-		"%.2f probes a lookup\n",
-		n, tries, (long long)(now_ms() - t0), st.buckets, st.max_chain,
-		bound,
+		"check_hash: %zu keys in one shard and fast-hash bucket class "
+		"(%" PRIu64 " tries, %lld ms): %zu buckets, %zu strong "
+		"shard(s), max chain %zu, %.2f probes a lookup\n",
+		n, tries, (long long)(now_ms() - t0), st.buckets, st.strong,
+		st.max_chain,
 		st.lookups != 0 ? (double)st.probes / (double)st.lookups : 0.0);
-	ck_assert_msg(st.max_chain <= bound, "max chain %zu over the bound %zu",
-		      st.max_chain, bound);
+	ck_assert_uint_eq(st.entries, n);
+	/* The flooded shard, and only it, went over to SipHash buckets, and
+	 * its chains are as short as random keys make them. */
+	ck_assert_uint_eq(st.strong, 1);
+	ck_assert_msg(st.max_chain <= 16, "max chain %zu over %zu buckets",
+		      st.max_chain, st.buckets);
 	free_keys(keys, n);
 }
 END_TEST
