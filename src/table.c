@@ -52,6 +52,7 @@
 #define NSHARDS KL__TABLE_SHARDS
 #define MIN_BUCKETS 8
 #define SMALL KL__TABLE_SMALL
+#define SWEEP_MAX (4 * SMALL)
 /* Key bytes (NUL included) every entry has room for: entries of keys that
  * fit are all one size, so any of them can take another such key. */
 #define INLINE_KEY 16
@@ -345,30 +346,40 @@ same_bytes(const char *a, const char *b, size_t len)
 	return true;
 }
 
-/* The entry of key, or NULL.  With reuse, also an idle entry of the same
- * bucket that can take the key over (both inline-sized), if any.  Lock
- * held. */
+/* What a lookup that found no entry saw of the key's bucket. */
+struct miss {
+	struct kl__entry *reuse; /* an idle entry that can take the key */
+	size_t chain;            /* the bucket's entries */
+};
+
+/* The entry of key, or NULL.  With m, what the bucket offers a new entry:
+ * an idle entry that can take the key over (both inline-sized), if any,
+ * and its length.  Lock held. */
 static inline __attribute__((always_inline)) struct kl__entry *
 find(struct shard *s, uint32_t h, const char *key, size_t len,
-     struct kl__entry **reuse)
+     struct miss *m)
 {
 	struct kl__entry *e;
+	size_t n = 0;
 
 	s->lookups++;
 	if (s->buckets == NULL)
 		return NULL;
 	for (e = s->buckets[bucket_of(s, h, key, len)]; e != NULL;
 	     e = e->next) {
-		s->probes++;
+		n++;
 		if (e->hash == h && e->len == len &&
 		    same_bytes(e->key, key, len))
-			return e;
-		if (reuse != NULL && *reuse == NULL && len < INLINE_KEY &&
+			break;
+		if (m != NULL && m->reuse == NULL && len < INLINE_KEY &&
 		    e->len < INLINE_KEY &&
 		    state_of(e, memory_order_relaxed) == 0)
-			*reuse = e;
+			m->reuse = e;
 	}
-	return NULL;
+	s->probes += n;
+	if (m != NULL)
+		m->chain = n;
+	return e;
 }
 
 /* Rebuilds the bucket array with n buckets (a power of two).  On allocation
@@ -401,16 +412,9 @@ rehash(struct shard *s, size_t n)
 /* A chain of CHAIN_LIMIT in a shard that trusts the fast hash: index the
  * buckets by SipHash from now on (see hash_of).  Lock held. */
 static void
-check_chain(struct shard *s, uint32_t h, const char *key, size_t len)
+check_chain(struct shard *s, size_t chain)
 {
-	size_t n = 0;
-
-	if (s->strong || s->buckets == NULL)
-		return;
-	for (struct kl__entry *e = s->buckets[bucket_of(s, h, key, len)];
-	     e != NULL && n < CHAIN_LIMIT; e = e->next)
-		n++;
-	if (n < CHAIN_LIMIT)
+	if (s->strong || chain < CHAIN_LIMIT)
 		return;
 	s->strong = true;
 	if (!rehash(s, s->mask + 1))
@@ -470,19 +474,24 @@ sweep(struct shard *s)
 	maybe_shrink(s);
 }
 
-/* Links a new entry for key, held by the caller.  Lock held. */
+/* Links a new entry for key, held by the caller; chain is the length of
+ * its bucket.  Lock held. */
 static int
-insert(struct shard *s, uint32_t h, const char *key,
-       size_t len, struct kl__entry **out)
+insert(struct shard *s, uint32_t h, const char *key, size_t len,
+       size_t chain, struct kl__entry **out)
 {
 	struct kl__entry *e;
 	size_t b, n = count_of(s);
 
-	/* Sweeping at SMALL and then at twice what each sweep left costs
-	 * each insert O(1) over time, whatever the keys held. */
-	if (n >= SMALL && n >= 2 * s->swept) {
+	/* Idle entries are only made while a shard is small, and a big one
+	 * has at most about 2 * SMALL of them (see above), so only a shard
+	 * of up to SWEEP_MAX entries is swept: at SMALL, and then at twice
+	 * what each sweep left, so that sweeps cost each insert O(1) over
+	 * time. */
+	if (n >= SMALL && n < SWEEP_MAX && n >= 2 * s->swept) {
 		sweep(s);
 		n = count_of(s);
+		chain = 0; /* shorter now, if anything */
 	}
 	if (s->buckets == NULL) {
 		if (!rehash(s, MIN_BUCKETS))
@@ -490,7 +499,7 @@ insert(struct shard *s, uint32_t h, const char *key,
 	} else if (n >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS) {
 		rehash(s, (s->mask + 1) * 2);
 	} else {
-		check_chain(s, h, key, len);
+		check_chain(s, chain);
 	}
 	if (len < INLINE_KEY && s->stash != NULL) {
 		e = s->stash;
@@ -569,16 +578,16 @@ take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
  * taken over, or a new one.  Lock held. */
 static int
 take_new(struct shard *s, uint32_t h, const char *key, size_t len,
-	 struct kl__entry *reuse, struct kl__entry **out, uint64_t *fence)
+	 const struct miss *m, struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *e;
 	int rc;
 
-	if (reuse != NULL) {
-		take_free(s, reuse, h, key, len, out, fence);
+	if (m->reuse != NULL) {
+		take_free(s, m->reuse, h, key, len, out, fence);
 		return KL_OK;
 	}
-	if ((rc = insert(s, h, key, len, &e)) == KL_OK) {
+	if ((rc = insert(s, h, key, len, m->chain, &e)) == KL_OK) {
 		*out = e;
 		*fence = e->fence = ++s->fence;
 	}
@@ -665,7 +674,8 @@ acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
 		    struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__waiter w;
-	struct kl__entry *e, *reuse = NULL;
+	struct miss m = { NULL, 0 };
+	struct kl__entry *e;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
@@ -678,8 +688,8 @@ acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
 		 * granted to it. */
 		rc = w.status;
 		pthread_mutex_unlock(&s->lock);
-	} else if ((e = find(s, h, key, len, &reuse)) == NULL) {
-		rc = take_new(s, h, key, len, reuse, out, fence);
+	} else if ((e = find(s, h, key, len, &m)) == NULL) {
+		rc = take_new(s, h, key, len, &m, out, fence);
 		pthread_mutex_unlock(&s->lock);
 	} else if (!(state_of(e, memory_order_relaxed) & E_HELD)) {
 		take_free(s, e, 0, NULL, 0, out, fence);
@@ -699,7 +709,8 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 {
 	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
-	struct kl__entry *e, *reuse = NULL;
+	struct miss m = { NULL, 0 };
+	struct kl__entry *e;
 	int rc = KL_OK;
 
 	*out = NULL;
@@ -708,8 +719,8 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 		return acquire_cancellable(s, h, key, len, deadline_ns, c,
 					   flags, out, fence);
 	pthread_mutex_lock(&s->lock);
-	if ((e = find(s, h, key, len, &reuse)) == NULL)
-		rc = take_new(s, h, key, len, reuse, out, fence);
+	if ((e = find(s, h, key, len, &m)) == NULL)
+		rc = take_new(s, h, key, len, &m, out, fence);
 	else if (!(state_of(e, memory_order_relaxed) & E_HELD))
 		take_free(s, e, 0, NULL, 0, out, fence);
 	else
