@@ -545,7 +545,7 @@ unlink_entry(struct shard *s, struct kl__entry *e)
 }
 
 /* The state word of an entry just taken.  Lock held. */
-static unsigned
+static inline unsigned
 held_word(struct shard *s)
 {
 	return count_of(s) <= SMALL ? E_HELD | E_CAS : E_HELD;
@@ -555,7 +555,7 @@ held_word(struct shard *s)
  * another key that takes it over).  Lock held: nothing else changes a free
  * entry then.  The acquire load pairs with the releaser's CAS, so the last
  * holder's writes are visible. */
-static void
+static inline __attribute__((always_inline)) void
 take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
 	  size_t len, struct kl__entry **out, uint64_t *fence)
 {
