@@ -8,15 +8,18 @@
  * an entry's hand-off and its removal are decided under one lock.
  *
  * Entries are made on first use.  A release that leaves a key with no
- * holder and no waiter either unlinks its entry (the shard is big) or leaves
- * it linked and free ("idle": the shard has at most SMALL entries).  Idle
- * entries cost a small shard little memory and save the work that made
- * them: a key taken again finds its entry, and a new key takes over an idle
- * entry it meets in its bucket, or one from the shard's stash of unlinked
- * ones.  When a shard reaches SMALL entries (and again at twice the count
- * it was left with), an insert first sweeps its idle entries out.  So a
- * shard holds at most about SMALL idle entries, and memory follows the keys
- * held.
+ * holder and no waiter either leaves its entry linked and free ("idle":
+ * the key was taken while its shard had at most SMALL entries, see E_CAS
+ * below) or unlinks it.  Idle entries cost a small shard little memory and
+ * save the work that made them: a key taken again finds its entry, and a
+ * new key takes over an idle entry it meets in its bucket, or one from the
+ * shard's stash of unlinked ones.  A shard has at most SMALL + 1 idle
+ * entries, so memory follows the keys held.  When a shard of SMALL to
+ * SWEEP_MAX entries grows (at SMALL, and again at twice the count the last
+ * sweep left), an insert first sweeps its idle entries out, so that a shard
+ * whose keys come and go stays small; a shard that shrinks through
+ * SWEEP_MAX is swept too, so that a table whose keys all go returns to
+ * about its first size.
  *
  * An entry's state word (E_HELD, E_CAS, E_WAITERS, in the wait queue's
  * user word) changes under the shard lock, with one exception: the holder
@@ -39,8 +42,9 @@
  * anything, and after failing it never touches the entry again (a release
  * may free it at once).
  *
- * Keys are hashed with seeded SipHash (hash.c); the top bits pick the shard,
- * the low bits the bucket.
+ * Keys are hashed with a keyed multiply-fold hash (see hash_of; SipHash for
+ * the buckets of a shard that meets a long chain); the top bits pick the
+ * shard, the low bits the bucket.
  */
 #include "config.h"
 
@@ -52,7 +56,7 @@
 #define NSHARDS KL__TABLE_SHARDS
 #define MIN_BUCKETS 8
 #define SMALL KL__TABLE_SMALL
-#define SWEEP_MAX (4 * SMALL)
+#define SWEEP_MAX KL__TABLE_SWEEP_MAX
 /* Key bytes (NUL included) every entry has room for: entries of keys that
  * fit are all one size, so any of them can take another such key. */
 #define INLINE_KEY 16
@@ -67,7 +71,7 @@
 #endif
 #endif
 #ifndef STASH_MAX
-#define STASH_MAX 8
+#define STASH_MAX 2
 #endif
 
 /* The state word of an entry (its q.user); 0 is free. */
@@ -483,11 +487,10 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	struct kl__entry *e;
 	size_t b, n = count_of(s);
 
-	/* Idle entries are only made while a shard is small, and a big one
-	 * has at most about 2 * SMALL of them (see above), so only a shard
-	 * of up to SWEEP_MAX entries is swept: at SMALL, and then at twice
-	 * what each sweep left, so that sweeps cost each insert O(1) over
-	 * time. */
+	/* A shard has at most SMALL + 1 idle entries (see above), so only
+	 * one of up to SWEEP_MAX entries is swept: at SMALL, and then at
+	 * twice what each sweep left, so that sweeps cost each insert O(1)
+	 * over time. */
 	if (n >= SMALL && n < SWEEP_MAX && n >= 2 * s->swept) {
 		sweep(s);
 		n = count_of(s);
@@ -749,13 +752,15 @@ release_locked(struct shard *s, struct kl__entry *e)
 				      memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
-	} else if (count_of(s) <= SMALL) {
-		KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
-		atomic_store_explicit(&e->q.user, 0, memory_order_release);
-		e = NULL;
 	} else {
+		/* Given back through the lock: taken in a big shard, or
+		 * waiters came and went.  Not worth keeping idle. */
 		unlink_entry(s, e);
 		e = to_stash(s, e);
+		/* A shard shrinking through SWEEP_MAX drops the idle
+		 * entries its E_CAS holders left while it was big. */
+		if (count_of(s) == SWEEP_MAX)
+			sweep(s);
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");

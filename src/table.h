@@ -32,7 +32,10 @@ struct kl__entry {
 #define KL__TABLE_SHARDS 64
 /* A shard of at most this many linked entries leaves released entries
  * linked, idle (see table.c): it bounds the idle entries of a shard. */
-#define KL__TABLE_SMALL 16
+#define KL__TABLE_SMALL 8
+/* A shard of more entries is never swept of its idle ones on insert; one
+ * that shrinks to it is (see table.c). */
+#define KL__TABLE_SWEEP_MAX (4 * KL__TABLE_SMALL)
 
 struct kl__table_stats {
 	size_t entries;    /* keys held (waited for only when held) */

@@ -375,7 +375,7 @@ START_TEST(test_idle_entry_hands_off_in_order)
 END_TEST
 
 /* A waiter that times out leaves its mark on the entry: the next release
- * goes through the lock, finds nobody, and leaves the entry idle. */
+ * goes through the lock, finds nobody, and unlinks the entry. */
 START_TEST(test_idle_entry_after_waiter_timed_out)
 {
 	struct kl__table *t = table_new();
@@ -391,7 +391,7 @@ START_TEST(test_idle_entry_after_waiter_timed_out)
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_release(t, e);
 	ck_assert_uint_eq(kl__table_size(t), 0);
-	ck_assert_uint_eq(stats_of(t).idle, 1);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	ck_assert_int_eq(other_try(t, "k", 1, 0), KL_OK);
 	/* And the mark is gone: a fresh holder and waiter work as ever. */
@@ -447,6 +447,36 @@ START_TEST(test_idle_entries_bounded_per_shard)
 	for (int i = 0; i < 200; i++)
 		ck_assert_int_eq(other_try(t, keys[i], strlen(keys[i]), 0),
 				 KL_OK);
+	free(keys);
+	kl__table_free(t);
+}
+END_TEST
+
+/* A big shard whose keys all go: the idle entries its first keys left are
+ * swept out as it shrinks, so the table ends with none. */
+#define SHRINKING (KL__TABLE_SWEEP_MAX + 8)
+
+START_TEST(test_idle_entries_swept_as_shard_shrinks)
+{
+	struct kl__table *t = table_new();
+	char (*keys)[24] = malloc(SHRINKING * sizeof *keys);
+	struct kl__entry *e[SHRINKING];
+
+	ck_assert_ptr_nonnull(keys);
+	same_shard_keys(t, keys, SHRINKING, false);
+	for (int i = 0; i < SHRINKING; i++)
+		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
+					 &e[i], NULL),
+				 KL_OK);
+	for (int i = 0; i < SHRINKING; i++) {
+		kl__table_release(t, e[i]);
+		/* The first SMALL were taken in a small shard. */
+		if (i < KL__TABLE_SMALL)
+			ck_assert_uint_eq(stats_of(t).idle, (size_t)i + 1);
+	}
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	free(keys);
 	kl__table_free(t);
 }
@@ -1350,6 +1380,7 @@ table_suite(void)
 	tcase_add_test(tc, test_idle_entry_hands_off_in_order);
 	tcase_add_test(tc, test_idle_entry_after_waiter_timed_out);
 	tcase_add_test(tc, test_idle_entries_bounded_per_shard);
+	tcase_add_test(tc, test_idle_entries_swept_as_shard_shrinks);
 	tcase_add_test(tc, test_idle_entries_bounded_overall);
 	suite_add_tcase(s, tc);
 
