@@ -2200,8 +2200,9 @@ write_plot(const char *path)
 		panel_range(&p, y, q >= 2);
 		svg_panel(f, &p, titles[q], y);
 	}
+	/* Six entries of up to 17 characters fit in 150 px each. */
 	for (int k = 0; k < NKINDS; k++) {
-		double x = 120 + k * 170;
+		double x = 30 + k * 150;
 
 		svg_line(f, x, 735, x + 24, 735, kind_color[k], 3);
 		svg_text(f, x + 30, 739, "start", 12, kind_label[k]);
