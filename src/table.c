@@ -13,7 +13,7 @@
  * below) or unlinks it.  Idle entries cost a small shard little memory and
  * save the work that made them: a key taken again finds its entry, and a
  * new key takes over an idle entry it meets in its bucket, or one from the
- * shard's stash of unlinked ones.  A shard has at most SMALL + 1 idle
+ * shard's stash of unlinked ones.  A shard has at most SMALL idle
  * entries, so memory follows the keys held.  When a shard of SMALL to
  * SWEEP_MAX entries grows (at SMALL, and again at twice the count the last
  * sweep left), an insert first sweeps its idle entries out, so that a shard
@@ -25,10 +25,11 @@
  * user word) changes under the shard lock, with one exception: the holder
  * of an entry taken while its shard was small (E_CAS) and not marked by a
  * waiter gives the key back with one compare-and-swap, HELD|CAS -> free,
- * without the lock (and without even finding the shard).  At most SMALL + 1
- * entries of a shard can hold E_CAS at once, as each was taken with at most
- * SMALL entries linked, so such releases leave a shard that grew meanwhile
- * with a bounded number of idle entries too.  Everything else is
+ * without the lock (and without even finding the shard).  An entry only
+ * gets E_CAS while its shard has at most SMALL entries linked, and keeps
+ * it, or turns idle, while linked: so a shard's entries that are idle or
+ * hold E_CAS never number more than SMALL, however big it grows
+ * (kl__table_check checks it).  Everything else is
  * written so that this CAS cannot succeed when the lock-holder relies on
  * the word staying put: a waiter sets E_WAITERS (by CAS, as the holder may
  * be releasing) before it queues, and only a release under the lock clears
@@ -487,7 +488,7 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	struct kl__entry *e;
 	size_t b, n = count_of(s);
 
-	/* A shard has at most SMALL + 1 idle entries (see above), so only
+	/* A shard has at most SMALL idle entries (see above), so only
 	 * one of up to SWEEP_MAX entries is swept: at SMALL, and then at
 	 * twice what each sweep left, so that sweeps cost each insert O(1)
 	 * over time. */
@@ -974,7 +975,8 @@ static int
 check_shard(struct kl__table *t, int i)
 {
 	struct shard *s = &t->shards[i];
-	size_t n = 0, count = count_of(s), nb = s->mask + 1;
+	size_t n = 0, cas = 0, count = count_of(s), nb = s->mask + 1;
+	unsigned st;
 	int rc = KL_OK;
 
 	if (check_stash(s, i) != KL_OK)
@@ -1003,7 +1005,18 @@ check_shard(struct kl__table *t, int i)
 			}
 			if (check_entry(t, i, b, e) != KL_OK)
 				rc = KL_EINVAL;
+			/* Both kinds count: a CAS may turn one into the
+			 * other meanwhile, never add to the sum. */
+			st = state_of(e, memory_order_relaxed);
+			if (st == 0 || (st & E_CAS))
+				cas++;
 		}
+	if (cas > SMALL) {
+		kl__test_report("shard %d: %zu entries idle or taken with "
+				"E_CAS, more than %d",
+				i, cas, SMALL);
+		rc = KL_EINVAL;
+	}
 	if (n != count) {
 		kl__test_report("shard %d: %zu entries, count %zu", i, n,
 				count);

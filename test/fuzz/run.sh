@@ -8,8 +8,8 @@
 # Usage: test/fuzz/run.sh CONFIGURED_BUILD_DIR WORKDIR [TARGET...]
 #   CONFIGURED_BUILD_DIR  a configured build tree (for its config.h)
 #   WORKDIR               binaries, the growing corpora, crash artifacts
-#   TARGET                fuzz_duration, fuzz_uri, fuzz_cli, fuzz_resp
-#                         (default: all)
+#   TARGET                fuzz_duration, fuzz_uri, fuzz_cli, fuzz_resp,
+#                         fuzz_table (default: all)
 #
 # Environment: KL_FUZZ_SECONDS (per target, default 60), KL_FUZZ_JOBS
 # (targets run at once, default: the CPUs), CLANG (default clang).
@@ -37,7 +37,7 @@ BUILD=$(cd "$1" && pwd)
 WORK=$2
 shift 2
 TARGETS=("$@")
-[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_duration fuzz_uri fuzz_cli fuzz_resp)
+[ ${#TARGETS[@]} -gt 0 ] || TARGETS=(fuzz_duration fuzz_uri fuzz_cli fuzz_resp fuzz_table)
 SECS=${KL_FUZZ_SECONDS:-60}
 JOBS=${KL_FUZZ_JOBS:-$(nproc 2>/dev/null || echo 2)}
 CLANG=${CLANG:-clang}
@@ -72,7 +72,12 @@ fuzz() {
 	local t=$1 bin=$WORK/$1 log=$WORK/$1.log corpus=$WORK/corpus/$1
 	local seeds=$ROOT/test/fuzz/corpus/$1 known=$ROOT/test/fuzz/known/$1
 	local extra=() tolerate=() rc=0 runs cov f notes="" maxlen=256
-	local tsrcs=() tlibs=() asan=$ASAN_OPTIONS
+	local tsrcs=() tlibs=() tflags=() asan=$ASAN_OPTIONS
+	if [ "$t" = fuzz_table ]; then
+		# the table's invariant checks
+		tflags=(-DKL_TEST_HOOKS)
+		maxlen=4096 # programs of a few hundred operations
+	fi
 	if [ "$t" = fuzz_resp ]; then
 		# the Redis provider, compiled in, and hiredis
 		tsrcs=("$ROOT"/src/provider_redis.c "$ROOT"/src/redis_conn.c
@@ -94,7 +99,7 @@ fuzz() {
 	if [ -f "$known.cflags" ]; then
 		read -r -a tolerate <"$known.cflags"
 		# the strict build, for the known inputs
-		if "$CLANG" "${CFLAGS[@]}" "$HERE/$t.c" "${SRCS[@]}" \
+		if "$CLANG" "${CFLAGS[@]}" "${tflags[@]}" "$HERE/$t.c" "${SRCS[@]}" \
 			"${tsrcs[@]}" "${tlibs[@]}" -ldl -o "$bin.strict" >"$WORK/$t.build.log" 2>&1; then
 			for f in "$known"/*; do
 				[ -f "$f" ] || continue
@@ -107,7 +112,7 @@ fuzz() {
 			done
 		fi
 	fi
-	if ! "$CLANG" "${CFLAGS[@]}" "${tolerate[@]}" "$HERE/$t.c" "${SRCS[@]}" \
+	if ! "$CLANG" "${CFLAGS[@]}" "${tflags[@]}" "${tolerate[@]}" "$HERE/$t.c" "${SRCS[@]}" \
 		"${tsrcs[@]}" "${tlibs[@]}" -ldl -o "$bin" >"$WORK/$t.build.log" 2>&1; then
 		echo "FAIL (does not build: $(grep -m 1 'error' "$WORK/$t.build.log" || tail -n 1 "$WORK/$t.build.log"))" >"$WORK/$t.outcome"
 		return 0
@@ -121,7 +126,8 @@ fuzz() {
 		-artifact_prefix="$WORK/artifacts/$t-" "${extra[@]}" \
 		"$corpus" "$seeds") >"$log" 2>&1 || rc=$?
 	runs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
-	cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n 1 | sed 's/cov: //')
+	# no coverage line when the first input already crashed
+	cov=$(grep -o 'cov: [0-9]*' "$log" | tail -n 1 | sed 's/cov: //' || true)
 	if [ $rc -eq 0 ] && [ -z "$runs" ]; then
 		echo "FAIL (libFuzzer printed no statistics: see $log)" >"$WORK/$t.outcome"
 	elif [ $rc -eq 0 ]; then
