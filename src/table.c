@@ -57,7 +57,7 @@
 #define NSHARDS KL__TABLE_SHARDS
 #define MIN_BUCKETS 8
 #define SMALL KL__TABLE_SMALL
-#define SWEEP_MAX KL__TABLE_SWEEP_MAX
+#define SWEEP_MAX ((size_t)KL__TABLE_SWEEP_MAX)
 /* Key bytes (NUL included) every entry has room for: entries of keys that
  * fit are all one size, so any of them can take another such key. */
 #define INLINE_KEY 16
