@@ -129,7 +129,8 @@ state_of(struct kl__entry *e, memory_order mo)
 }
 
 /* Keys for the fast hash and for SipHash, from the process's seed: the
- * fast hash's never meet SipHash's, and tables made after
+ * fast hash's are SipHash outputs of it, so that they give nothing away of
+ * the key a strong shard uses, and tables made after
  * kl__test_set_hash_seed hash alike. */
 static void
 table_init(struct kl__table *t)
@@ -267,7 +268,7 @@ ld32(const char *p)
 static inline __attribute__((always_inline)) uint32_t
 hash_of(const struct kl__table *t, const char *key, size_t len)
 {
-	uint64_t a, b, h;
+	uint64_t a, b, h, total = len;
 
 	if (__builtin_expect(len > 16, 0)) {
 		h = t->fk[2];
@@ -291,7 +292,7 @@ hash_of(const struct kl__table *t, const char *key, size_t len)
 	} else {
 		a = b = 0;
 	}
-	h = fold(a ^ t->fk[0], b ^ t->fk[1] ^ h ^ len);
+	h = fold(a ^ t->fk[0], b ^ t->fk[1] ^ h ^ total);
 	return (uint32_t)(fold(h, t->fk[2]) >> 32);
 }
 
@@ -519,7 +520,8 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	e->len = (uint32_t)len;
 	kl__waitq_init(&e->q, &s->lock);
 	KL_ANNOTATE_ATOMIC(&e->q.user);
-	atomic_store_explicit(&e->q.user, n + 1 <= SMALL ? E_HELD | E_CAS : E_HELD,
+	atomic_store_explicit(&e->q.user,
+			      n + 1 <= SMALL ? E_HELD | E_CAS : E_HELD,
 			      memory_order_relaxed);
 	e->owner_tid = kl__thread_id();
 	e->lock = NULL;
