@@ -89,18 +89,6 @@ kl__test_set_hash_seed(uint64_t k0, uint64_t k1)
 		v2 = ROTL(v2, 32);                                         \
 	} while (0)
 
-static inline uint64_t
-load64(const unsigned char *p)
-{
-	uint64_t v;
-
-	memcpy(&v, p, sizeof v);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-	v = __builtin_bswap64(v);
-#endif
-	return v;
-}
-
 uint64_t
 kl__siphash(uint64_t k0, uint64_t k1, const void *data, size_t len)
 {
@@ -113,7 +101,7 @@ kl__siphash(uint64_t k0, uint64_t k1, const void *data, size_t len)
 	v2 = k0 ^ 0x6c7967656e657261ULL;
 	v3 = k1 ^ 0x7465646279746573ULL;
 	for (; p != end; p += 8) {
-		m = load64(p);
+		m = kl__load_le64(p);
 		v3 ^= m;
 		SIPROUND;
 		v0 ^= m;

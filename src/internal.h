@@ -13,6 +13,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "keylock.h"
 
@@ -216,6 +217,31 @@ KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
 
 /* ------------------------------------------------------------------ */
 /* hash.c: SipHash-1-3 keyed with a per-process random seed. */
+
+/* Little-endian loads of 8 and 4 bytes at any alignment, for the hashes. */
+static inline uint64_t
+kl__load_le64(const void *p)
+{
+	uint64_t v;
+
+	memcpy(&v, p, sizeof v);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+	v = __builtin_bswap64(v);
+#endif
+	return v;
+}
+
+static inline uint64_t
+kl__load_le32(const void *p)
+{
+	uint32_t v;
+
+	memcpy(&v, p, sizeof v);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+	v = __builtin_bswap32(v);
+#endif
+	return v;
+}
 
 KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
 /* The seed of kl__hash, for a table that keeps a copy: kl__siphash with it

@@ -239,30 +239,6 @@ fold(uint64_t a, uint64_t b)
 	return (uint64_t)p ^ (uint64_t)(p >> 64);
 }
 
-static inline uint64_t
-ld64(const char *p)
-{
-	uint64_t v;
-
-	memcpy(&v, p, 8);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-	v = __builtin_bswap64(v);
-#endif
-	return v;
-}
-
-static inline uint64_t
-ld32(const char *p)
-{
-	uint32_t v;
-
-	memcpy(&v, p, 4);
-#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
-	v = __builtin_bswap32(v);
-#endif
-	return v;
-}
-
 /* Keys of up to 16 bytes, the common case, take two multiplications: the
  * first and last 8 (or 4) bytes, overlapping, with the length. */
 static inline __attribute__((always_inline)) uint32_t
@@ -273,17 +249,18 @@ hash_of(const struct kl__table *t, const char *key, size_t len)
 	if (__builtin_expect(len > 16, 0)) {
 		h = t->fk[2];
 		for (; len > 16; key += 16, len -= 16)
-			h = fold(ld64(key) ^ t->fk[0], ld64(key + 8) ^ h);
+			h = fold(kl__load_le64(key) ^ t->fk[0],
+				 kl__load_le64(key + 8) ^ h);
 		/* The last 1..16 bytes below, mixed with h. */
 	} else {
 		h = 0;
 	}
 	if (len >= 8) {
-		a = ld64(key);
-		b = ld64(key + len - 8);
+		a = kl__load_le64(key);
+		b = kl__load_le64(key + len - 8);
 	} else if (len >= 4) {
-		a = ld32(key);
-		b = ld32(key + len - 4);
+		a = kl__load_le32(key);
+		b = kl__load_le32(key + len - 4);
 	} else if (len > 0) {
 		a = ((uint64_t)(unsigned char)key[0] << 16) |
 		    ((uint64_t)(unsigned char)key[len >> 1] << 8) |
@@ -379,7 +356,7 @@ find(struct shard *s, uint32_t h, const char *key, size_t len,
 			break;
 		if (m != NULL && m->reuse == NULL && len < INLINE_KEY &&
 		    e->len < INLINE_KEY &&
-		    state_of(e, memory_order_relaxed) == 0)
+		    state_of(e, memory_order_acquire) == 0)
 			m->reuse = e;
 	}
 	s->probes += n;
@@ -559,13 +536,12 @@ held_word(struct shard *s)
 
 /* Takes e, free, for the caller (with key, when e is an idle entry of
  * another key that takes it over).  Lock held: nothing else changes a free
- * entry then.  The acquire load pairs with the releaser's CAS, so the last
- * holder's writes are visible. */
+ * entry then.  The caller found it free with an acquire load, which pairs
+ * with the releaser's CAS, so the last holder's writes are visible. */
 static inline __attribute__((always_inline)) void
 take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
 	  size_t len, struct kl__entry **out, uint64_t *fence)
 {
-	(void)state_of(e, memory_order_acquire);
 	KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
 	if (key != NULL) {
 		e->hash = h;
@@ -606,13 +582,14 @@ take_new(struct shard *s, uint32_t h, const char *key, size_t len,
 static bool
 mark_waiting(struct kl__entry *e)
 {
-	unsigned v = state_of(e, memory_order_relaxed);
+	unsigned v = state_of(e, memory_order_acquire);
 
+	/* Acquire on failure too: a key found free is taken (take_free). */
 	while (v & E_HELD) {
 		if ((v & E_WAITERS) ||
 		    atomic_compare_exchange_weak_explicit(
 			    &e->q.user, &v, v | E_WAITERS,
-			    memory_order_relaxed, memory_order_relaxed))
+			    memory_order_acquire, memory_order_acquire))
 			return true;
 	}
 	return false;
@@ -697,7 +674,7 @@ acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
 	} else if ((e = find(s, h, key, len, &m)) == NULL) {
 		rc = take_new(s, h, key, len, &m, out, fence);
 		pthread_mutex_unlock(&s->lock);
-	} else if (!(state_of(e, memory_order_relaxed) & E_HELD)) {
+	} else if (!(state_of(e, memory_order_acquire) & E_HELD)) {
 		take_free(s, e, 0, NULL, 0, out, fence);
 		rc = KL_OK;
 		pthread_mutex_unlock(&s->lock);
@@ -727,7 +704,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	pthread_mutex_lock(&s->lock);
 	if ((e = find(s, h, key, len, &m)) == NULL)
 		rc = take_new(s, h, key, len, &m, out, fence);
-	else if (!(state_of(e, memory_order_relaxed) & E_HELD))
+	else if (!(state_of(e, memory_order_acquire) & E_HELD))
 		take_free(s, e, 0, NULL, 0, out, fence);
 	else
 		return acquire_held(s, e, deadline_ns, flags, out, fence);

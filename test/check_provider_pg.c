@@ -263,36 +263,6 @@ open_fails(const char *uri, int status, int64_t bound_ms, char *msg,
 	snprintf(msg, size, "%s", err.message);
 }
 
-struct events {
-	pthread_mutex_t mu;
-	int count[5];
-	int last_status[5];
-};
-
-static void
-on_event(const kl_event *ev, void *arg)
-{
-	struct events *e = arg;
-
-	pthread_mutex_lock(&e->mu);
-	if ((int)ev->type >= 0 && (int)ev->type < 5) {
-		e->count[ev->type]++;
-		e->last_status[ev->type] = ev->status;
-	}
-	pthread_mutex_unlock(&e->mu);
-}
-
-static int
-event_count(struct events *e, kl_event_type t)
-{
-	int n;
-
-	pthread_mutex_lock(&e->mu);
-	n = e->count[t];
-	pthread_mutex_unlock(&e->mu);
-	return n;
-}
-
 struct hold {
 	kl_lock *l;
 	kl_lease *lease;
@@ -302,7 +272,7 @@ struct hold {
  * KL_OK.  ev (may be NULL) receives the lock's events. */
 static int
 take_ev(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
-	unsigned flags, struct events *ev, struct hold *h, kl_error *err)
+	unsigned flags, struct test_events *ev, struct hold *h, kl_error *err)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_call call = { .key = NULL, .cancel = c };
@@ -313,7 +283,7 @@ take_ev(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
 	o.timeout_ms = timeout_ms;
 	o.flags = flags;
 	if (ev != NULL) {
-		o.on_event = on_event;
+		o.on_event = tev_record;
 		o.event_arg = ev;
 	}
 	h->l = NULL;
@@ -1067,7 +1037,7 @@ START_TEST(test_terminated_backend_loses_the_lease)
 	char extra[64];
 	kl_provider *p;
 	const char *key = new_key("terminate");
-	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct test_events ev;
 	struct hold h;
 	kl_error err;
 	char sql[128];
@@ -1075,11 +1045,12 @@ START_TEST(test_terminated_backend_loses_the_lease)
 	int64_t t0, took;
 	int rc;
 
+	tev_init(&ev);
 	snprintf(extra, sizeof extra, "health_interval=%dms", HEALTH_MS);
 	p = open_pg(extra);
 	rc = take_ev(p, key, WAIT_BOUND_MS, NULL, 0, &ev, &h, &err);
 	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
-	ck_assert_int_eq(event_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
 	pid = holder_pid(key);
 	ck_assert_int_gt(pid, 0);
 	snprintf(sql, sizeof sql, "SELECT pg_terminate_backend(%lld)::int",
@@ -1095,20 +1066,17 @@ START_TEST(test_terminated_backend_loses_the_lease)
 	/* One health interval, plus the time to notice, on a loaded box. */
 	ck_assert_msg(took <= HEALTH_MS + 1500, "lost after %lld ms",
 		      (long long)took);
-	while (event_count(&ev, KL_EV_LOST) == 0) {
-		ck_assert_msg(now_ms() - t0 < TEST_POLL_LIMIT_MS,
-			      "no KL_EV_LOST");
-		test_sleep_ms(5);
-	}
-	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
-	ck_assert_int_eq(ev.last_status[KL_EV_LOST], KL_EPROVIDER);
+	ck_assert_msg(tev_wait(&ev, KL_EV_LOST, TEST_POLL_LIMIT_MS) > 0,
+		      "no KL_EV_LOST");
+	ck_assert_int_eq(tev_count(&ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(ev.status_of[KL_EV_LOST], KL_EPROVIDER);
 	wait_server_locks(key, 0, 0);
 	/* Releasing what is no longer held is reported, and harmless. */
 	drop(&h);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
-	ck_assert_int_eq(ev.last_status[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
-	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(ev.status_of[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_LOST), 1);
 	/* The key is free, and the provider works on. */
 	take_ok(p, key, &h);
 	ck_assert(kl_lease_valid(h.lease));
@@ -1149,13 +1117,14 @@ START_TEST(test_timeout_bound_t24d)
 {
 	kl_provider *p = open_pg(NULL);
 	const char *key = new_key("t24d");
-	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct test_events ev;
 	struct hold h, h2;
 	kl_error err;
 	long long g, w, holder;
 	int64_t t0, took, worst = 0;
 	int rc;
 
+	tev_init(&ev);
 	/* TESTPLAN T24 (d): a waiter with timeout 500 ms on a held key gets
 	 * KL_ETIMEDOUT within 500 + 100 ms and leaves nothing on the server:
 	 * pg_locks shows the holder's lock and no waiting entry.  Three
@@ -1181,9 +1150,9 @@ START_TEST(test_timeout_bound_t24d)
 	}
 	ck_assert_msg(worst <= 600, "KL_ETIMEDOUT after %lld ms (bound 600)",
 		      (long long)worst);
-	ck_assert_int_eq(event_count(&ev, KL_EV_REJECTED), 3);
-	ck_assert_int_eq(ev.last_status[KL_EV_REJECTED], KL_ETIMEDOUT);
-	ck_assert_int_eq(event_count(&ev, KL_EV_ACQUIRED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 3);
+	ck_assert_int_eq(ev.status_of[KL_EV_REJECTED], KL_ETIMEDOUT);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 0);
 	drop(&h);
 	/* Nothing left for that key once the holder is gone. */
 	wait_server_locks(key, 0, 0);
@@ -1195,13 +1164,14 @@ START_TEST(test_release_not_held_t24e)
 {
 	kl_provider *p = open_pg("health_interval=1h");
 	const char *key = new_key("t24e");
-	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct test_events ev;
 	struct hold h;
 	kl_error err;
 	char sql[128];
 	long long pid;
 	int rc;
 
+	tev_init(&ev);
 	/* TESTPLAN T24 (e): release of a key the session no longer holds,
 	 * before any health check could notice (health_interval 1h): the
 	 * server ended the session under the lease.  KL_EV_RELEASE_FAILED
@@ -1217,9 +1187,9 @@ START_TEST(test_release_not_held_t24e)
 	wait_server_locks(key, 0, 0);
 	ck_assert(kl_lease_valid(h.lease)); /* not checked yet */
 	drop(&h);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
-	ck_assert_int_eq(ev.last_status[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(ev.status_of[KL_EV_RELEASE_FAILED], KL_EPROVIDER);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 0);
 	/* The broken connection was not put back: the next calls work. */
 	for (int i = 0; i < 3; i++) {
 		take_ok(p, key, &h);
@@ -1586,7 +1556,7 @@ START_TEST(test_server_restart_t24f)
 {
 	static const int64_t down_timeouts[] = { 0, 300, 1000 };
 	const char *key = new_key("t24f"), *other = new_key("t24f-other");
-	struct events ev = { .mu = PTHREAD_MUTEX_INITIALIZER };
+	struct test_events ev;
 	struct waiter *w[2];
 	struct hold h, h2;
 	kl_provider *p;
@@ -1596,6 +1566,7 @@ START_TEST(test_server_restart_t24f)
 	size_t hs, ws;
 	int rc;
 
+	tev_init(&ev);
 	if (!restart_env()) {
 		printf("note: KEYLOCK_TEST_PG_CTL, _DATA, _LOG or _OPTS unset: "
 		       "the server restart (T24 f) is not run\n");
@@ -1645,12 +1616,9 @@ START_TEST(test_server_restart_t24f)
 			      "lease still valid");
 		test_sleep_ms(5);
 	}
-	while (event_count(&ev, KL_EV_LOST) == 0) {
-		ck_assert_msg(now_ms() - t0 < TEST_POLL_LIMIT_MS,
-			      "no KL_EV_LOST");
-		test_sleep_ms(5);
-	}
-	ck_assert_int_eq(ev.last_status[KL_EV_LOST], KL_EPROVIDER);
+	ck_assert_msg(tev_wait(&ev, KL_EV_LOST, TEST_POLL_LIMIT_MS) > 0,
+		      "no KL_EV_LOST");
+	ck_assert_int_eq(ev.status_of[KL_EV_LOST], KL_EPROVIDER);
 
 	ck_assert_int_eq(pg_ctl("start"), 0);
 	/* Reconnects: the key is free (the old session is gone), fences go
@@ -1667,9 +1635,9 @@ START_TEST(test_server_restart_t24f)
 	drop(&h2);
 	/* Releasing the lost lease is reported, and harmless. */
 	drop(&h);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASE_FAILED), 1);
-	ck_assert_int_eq(event_count(&ev, KL_EV_RELEASED), 0);
-	ck_assert_int_eq(event_count(&ev, KL_EV_LOST), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASE_FAILED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_LOST), 1);
 	for (int i = 0; i < 2; i++)
 		waiter_free(w[i]);
 	take_ok(p, other, &h2);

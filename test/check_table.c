@@ -753,7 +753,6 @@ struct race {
 	int nkeys;
 	long rounds;
 	bool mixed; /* also try once and wait 1 ms: marks left by waiters */
-	atomic_long timeouts; /* how many depends on the schedule */
 	volatile int inside[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	uint64_t last_fence[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	atomic_long violations;
@@ -797,10 +796,9 @@ race_main(void *arg)
 			deadline = in_ms(1);
 		rc = kl__table_acquire(r->t, race_keys[k], 4, deadline, NULL,
 				       0, &e, &fence);
-		if (rc == KL_ETIMEDOUT && deadline < in_ms(2)) {
-			atomic_fetch_add(&r->timeouts, 1);
+		/* How many short tries fail depends on the schedule. */
+		if (rc == KL_ETIMEDOUT && deadline < in_ms(2))
 			continue;
-		}
 		if (rc != KL_OK) {
 			atomic_fetch_add(&r->errors, 1);
 			continue;

@@ -134,8 +134,10 @@ tev_record(const kl_event *ev, void *arg)
 	struct test_events *e = arg;
 
 	pthread_mutex_lock(&e->mu);
-	if (ev->type <= KL_EV_LOST)
+	if (ev->type <= KL_EV_LOST) {
 		e->n[ev->type]++;
+		e->status_of[ev->type] = ev->status;
+	}
 	if (ev->type == KL_EV_LOST && e->lost_ns == 0)
 		e->lost_ns = now_ns();
 	e->last_status = ev->status;

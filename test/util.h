@@ -51,12 +51,13 @@ void test_thread_join(pthread_t t);
 
 /* A lock's events, recorded: kl_lock_opts.on_event = tev_record
  * with event_arg = the recorder.  Counts per type, when the first
- * KL_EV_LOST came (now_ns), and the last status.  Any thread. */
+ * KL_EV_LOST came (now_ns), and the last statuses.  Any thread. */
 struct test_events {
 	pthread_mutex_t mu;
 	int n[KL_EV_LOST + 1];
 	int64_t lost_ns;
-	int last_status;
+	int last_status;                 /* of the last event of any type */
+	int status_of[KL_EV_LOST + 1];   /* of the last event of each type */
 };
 void tev_init(struct test_events *e);
 void tev_record(const kl_event *ev, void *arg);
