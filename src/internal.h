@@ -141,9 +141,6 @@ struct kl__waiter {
 struct kl__waitq {
 	struct kl__waiter *head;
 	uint32_t len; /* waiting threads: far below 2^32 */
-	/* Not the queue's: a word for its user, kept here where it costs no
-	 * padding (the key table keeps an entry's state in it). */
-	atomic_uint user;
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */

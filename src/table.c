@@ -7,93 +7,96 @@
  * world.  The shard mutex is also the lock of every wait queue in the shard:
  * an entry's hand-off and its removal are decided under one lock.
  *
- * Entries are made on first use.  A release that leaves a key with no
- * holder and no waiter either leaves its entry linked and free ("idle":
- * the key was taken while its shard had at most SMALL entries, see E_CAS
- * below) or unlinks it.  Idle entries cost a small shard little memory and
- * save the work that made them: a key taken again finds its entry, and a
- * new key takes over an idle entry it meets in its bucket, or one from the
- * shard's stash of unlinked ones.  A shard has at most SMALL idle
- * entries, so memory follows the keys held.  When a shard of SMALL to
- * SWEEP_MAX entries grows (at SMALL, and again at twice the count the last
- * sweep left), an insert first sweeps its idle entries out, so that a shard
- * whose keys come and go stays small; a shard that shrinks through
- * SWEEP_MAX is swept too, so that a table whose keys all go returns to
- * about its first size.
+ * Slots.  Most keys are short, and most acquires take a key nobody holds.
+ * So each shard also has SLOTS slot entries, made with the shard's first
+ * short key and never freed while the table lives, and a key of up to 15
+ * bytes lives in the slot its hash picks (slot_of) unless another key holds
+ * that slot.  A slot keeps its key after release ("idle"), and taking the
+ * key again, or giving it back, is one compare-and-swap on the slot's state
+ * word, without the shard lock: the memory a lock-free reader looks at is
+ * never freed, and the word says whether what it read still holds.  A key
+ * whose slot is held by another key, and every longer key, gets an entry in
+ * the shard's bucket chains ("chained"), made on first use and freed when
+ * the last holder leaves with nobody waiting, all under the lock.
  *
- * An entry's state word (E_HELD, E_CAS, E_WAITERS, in the wait queue's
- * user word) changes under the shard lock, with one exception: the holder
- * of an entry taken while its shard was small (E_CAS) and not marked by a
- * waiter gives the key back with one compare-and-swap, HELD|CAS -> free,
- * without the lock (and without even finding the shard).  An entry only
- * gets E_CAS while its shard has at most SMALL entries linked, and keeps
- * it, or turns idle, while linked: so a shard's entries that are idle or
- * hold E_CAS never number more than SMALL, however big it grows
- * (kl__table_check checks it).  Everything else is
- * written so that this CAS cannot succeed when the lock-holder relies on
- * the word staying put: a waiter sets E_WAITERS (by CAS, as the holder may
- * be releasing) before it queues, and only a release under the lock clears
- * it.  A stale E_WAITERS (its waiter timed out) only sends the next release
- * through the lock, which finds nobody to hand to.  Nothing changes a free
- * entry but the lock's holder, so acquirers, sweeps and reuse act on free
- * entries under the lock; after its CAS, a releaser never touches the entry
- * again.
- * Waiters queue only on a held key.  A waiter that times out or is cancelled
- * only unlinks itself; the key is still held then, so it never has to free
- * anything, and after failing it never touches the entry again (a release
- * may free it at once).
+ * A key has one entry at most, in its slot or in a chain, never both:
+ * - only the lock's holder puts a key in a chain, after it found the key in
+ *   neither place and marked the slot E_CHAIN;
+ * - a slot marked E_CHAIN (some chained key has its index) is given a new
+ *   key only under the lock, after the chains were searched for it;
+ * - the mark goes when the last chained key of its index does.
+ *
+ * The state word of an entry: E_* flags and, from FENCE_SHIFT up, the fence
+ * of its latest grant.  Every grant adds one to the fence, and a slot given
+ * to a new key keeps counting, so a slot's fence only grows; a chained short
+ * key starts above its slot's fence and its floor, and raises the floor to
+ * its last fence when it goes; a new key of the slot starts above both.  So
+ * a key's fences grow across all the entries it ever has.  (Long keys use
+ * the shard's counter as the floor.)
+ *
+ * Lock-free, a slot moves: idle -> held (its key taken again), idle or
+ * empty without E_CHAIN -> busy -> held (a new key written in: "stolen"),
+ * held without E_WAITERS -> idle (given back).  Everything else changes a
+ * slot under the lock by compare-and-swap against the word it validated, so
+ * that a decision made on a key read from a slot is void if the slot
+ * changed meanwhile: the fence changes with every move.  A waiter sets
+ * E_WAITERS before it queues, and a marked slot is given back only under
+ * the lock, which hands it over in FIFO order.  A reader that finds a slot
+ * busy waits for the stealer to finish (a few instructions, unless it was
+ * preempted).  Waiters queue only on a held key.  A waiter that times out
+ * or is cancelled only unlinks itself; the key is still held then, so it
+ * never has to free anything.
  *
  * Keys are hashed with a keyed multiply-fold hash (see hash_of; SipHash for
  * the buckets of a shard that meets a long chain); the top bits pick the
- * shard, the low bits the bucket.
+ * shard, the next ones the slot, the low bits the bucket.
  */
 #include "config.h"
 
+#include <sched.h>
 #include <string.h>
 
 #include "annotate.h"
 #include "table.h"
 
 #define NSHARDS KL__TABLE_SHARDS
+#define SLOTS KL__TABLE_SLOTS
 #define MIN_BUCKETS 8
-#define SMALL KL__TABLE_SMALL
-#define SWEEP_MAX ((size_t)KL__TABLE_SWEEP_MAX)
-/* Key bytes (NUL included) every entry has room for: entries of keys that
- * fit are all one size, so any of them can take another such key. */
+/* Key bytes (NUL included) every slot has room for; shorter keys of a
+ * chained entry get as much, so that its malloc chunk is the same 80
+ * bytes a held slot stands for. */
 #define INLINE_KEY 16
-/* Unlinked entries a shard keeps for its next inserts.  AddressSanitizer
- * builds keep none, so that a use after a free is reported instead of
- * landing in the stash. */
-#if defined(__SANITIZE_ADDRESS__)
-#define STASH_MAX 0
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define STASH_MAX 0
-#endif
-#endif
-#ifndef STASH_MAX
-#define STASH_MAX 2
-#endif
-
-/* The state word of an entry (its q.user); 0 is free. */
+#define SLOT_SIZE (sizeof(struct kl__entry) + INLINE_KEY)
+/* The state word of an entry. */
 #define E_HELD 1u    /* a holder has the key */
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
-#define E_CAS 4u     /* with E_HELD: taken in a small shard, see above */
+#define E_SLOT 4u    /* a slot entry, for good */
+#define E_USED 8u    /* slot: has a key */
+#define E_CHAIN 16u  /* slot: a chained key may have its index */
+#define E_BUSY 32u   /* slot: a stealer is writing its key */
+#define E_FLAGS 63u
+#define FENCE_SHIFT KL__ENTRY_FENCE_SHIFT
+#define FENCE_ONE ((uint64_t)1 << FENCE_SHIFT)
+
+_Static_assert(E_FLAGS < FENCE_ONE, "flags below the fence");
+_Static_assert(SLOT_SIZE % 8 == 0, "slots stay aligned for their words");
+_Static_assert((SLOTS & (SLOTS - 1)) == 0 && SLOTS <= 8,
+	       "slot_index takes up to 3 bits of the hash");
 
 struct shard {
 	pthread_mutex_t lock;
+	/* SLOTS slot entries of SLOT_SIZE bytes, made under the lock and
+	 * read without it. */
+	_Atomic(struct kl__entry *) slots;
 	struct kl__entry **buckets;
-	/* Unlinked entries with room for an inline-sized key, chained
-	 * through next: an insert takes one before it allocates. */
-	struct kl__entry *stash;
-	unsigned nstash;
-	/* Linked entries, idle ones included.  Written under the lock; read
-	 * without it by releasers, which give a key back by CAS only while
-	 * the shard is small. */
-	atomic_size_t count;
-	size_t swept; /* the count a sweep left: see insert */
-	size_t mask;  /* buckets - 1; 0 while no bucket array exists */
-	uint64_t fence;
+	uint32_t nchain[SLOTS]; /* chained short keys of each slot index */
+	/* The largest fence a chained key of each slot index had when it
+	 * went: the slot's next key starts above it (see the top).  Written
+	 * under the lock, read atomically by stealers. */
+	uint64_t floor[SLOTS];
+	size_t count;           /* chained entries */
+	size_t mask;            /* buckets - 1; 0 while no bucket array */
+	uint64_t fence;         /* long keys' fences: see above */
 	uint64_t lookups, probes;
 	/* Buckets by SipHash (see hash_of), keyed with sk. */
 	bool strong;
@@ -109,23 +112,16 @@ struct kl__table {
 	uint64_t fk[3];
 };
 
-static size_t
-count_of(struct shard *s)
-{
-	return atomic_load_explicit(&s->count, memory_order_relaxed);
-}
-
-/* Lock held. */
-static void
-set_count(struct shard *s, size_t n)
-{
-	atomic_store_explicit(&s->count, n, memory_order_relaxed);
-}
-
-static unsigned
+static inline uint64_t
 state_of(struct kl__entry *e, memory_order mo)
 {
-	return atomic_load_explicit(&e->q.user, mo);
+	return atomic_load_explicit(&e->state, mo);
+}
+
+static inline uint64_t
+fence_of(uint64_t st)
+{
+	return st >> FENCE_SHIFT;
 }
 
 /* Keys for the fast hash and for SipHash, from the process's seed: the
@@ -148,7 +144,10 @@ table_init(struct kl__table *t)
 		struct shard *s = &t->shards[i];
 
 		pthread_mutex_init(&s->lock, NULL);
-		KL_ANNOTATE_ATOMIC(&s->count);
+		atomic_init(&s->slots, NULL);
+		KL_ANNOTATE_ATOMIC(&s->slots);
+		for (int j = 0; j < SLOTS; j++)
+			KL_ANNOTATE_ATOMIC(&s->floor[j]);
 		s->sk[0] = k0;
 		s->sk[1] = k1;
 	}
@@ -196,27 +195,21 @@ kl__table_free(struct kl__table *t)
 #endif
 	for (int i = 0; i < NSHARDS; i++) {
 		struct shard *s = &t->shards[i];
-		struct kl__entry *e, *next;
 
-		/* Only idle entries are still linked. */
-		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
-			for (e = s->buckets[b]; e != NULL; e = next) {
-				next = e->next;
-				kl__free(e);
-			}
-		for (e = s->stash; e != NULL; e = next) {
-			next = e->next;
-			kl__free(e);
-		}
+		/* Chained entries are freed by their last release. */
 		pthread_mutex_destroy(&s->lock);
 		kl__free(s->buckets);
+		kl__free(atomic_load_explicit(&s->slots,
+					      memory_order_relaxed));
 	}
 	kl__free(t);
 }
 
 /* An entry keeps 32 bits of its key's hash: the top 6 pick the shard, the
- * low ones the bucket (a shard never grows past MAX_BUCKETS, so the two
- * never overlap). */
+ * next 1-3 the slot, the low ones the bucket (a shard never grows past
+ * MAX_BUCKETS, so shard and bucket never overlap; bucket and slot may, which
+ * only means that a huge shard's chained keys of one bucket share a
+ * slot). */
 #define MAX_BUCKETS ((size_t)1 << 26)
 
 /* The table's hash.  SipHash of every key cost a keyed acquire about a
@@ -329,23 +322,242 @@ same_bytes(const char *a, const char *b, size_t len)
 	return true;
 }
 
-/* What a lookup that found no entry saw of the key's bucket. */
-struct miss {
-	struct kl__entry *reuse; /* an idle entry that can take the key */
-	size_t chain;            /* the bucket's entries */
-};
+/* ------------------------------------------------------------------ */
+/* Slots */
 
-/* The entry of key, or NULL.  With m, what the bucket offers a new entry:
- * an idle entry that can take the key over (both inline-sized), if any,
- * and its length.  Lock held. */
-static inline __attribute__((always_inline)) struct kl__entry *
-find(struct shard *s, uint32_t h, const char *key, size_t len,
-     struct miss *m)
+static inline unsigned
+slot_index(uint32_t h)
+{
+	return (h >> 23) & (SLOTS - 1);
+}
+
+static inline struct kl__entry *
+slot_at(struct kl__entry *slots, unsigned i)
+{
+	return (struct kl__entry *)(void *)((char *)slots + i * SLOT_SIZE);
+}
+
+/* A slot's key is read without the lock while a stealer may write it, so
+ * both only ever access it as two words, atomically. */
+static inline uint64_t *
+slot_words(struct kl__entry *e)
+{
+	return (uint64_t *)(void *)e->key;
+}
+
+/* The two words a slot holds for a key of len < INLINE_KEY bytes: its
+ * bytes, a NUL and zeros. */
+static inline void
+key_words(const char *key, size_t len, uint64_t w[2])
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	/* Overlapping loads of the key alone, shifted into place. */
+	if (len >= 8) {
+		w[0] = kl__load_le64(key);
+		w[1] = len > 8 ? kl__load_le64(key + len - 8) >> (8 * (16 - len))
+			       : 0;
+	} else if (len >= 4) {
+		w[0] = (uint64_t)kl__load_le32(key) |
+		       (uint64_t)kl__load_le32(key + len - 4) << (8 * (len - 4));
+		w[1] = 0;
+	} else {
+		w[0] = 0;
+		for (size_t i = 0; i < len; i++)
+			w[0] |= (uint64_t)(unsigned char)key[i] << (8 * i);
+		w[1] = 0;
+	}
+#else
+	char b[INLINE_KEY] = { 0 };
+
+	memcpy(b, key, len);
+	memcpy(w, b, sizeof b);
+#endif
+}
+
+/* Whether slot e holds the key of hash h, len bytes and words w.  Its
+ * fields may change as they are read (see slot_take and slot_claim). */
+static inline bool
+slot_has(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2])
+{
+	uint64_t *k = slot_words(e);
+
+	return __atomic_load_n(&e->hash, __ATOMIC_RELAXED) == h &&
+	       __atomic_load_n(&e->len, __ATOMIC_RELAXED) == len &&
+	       __atomic_load_n(&k[0], __ATOMIC_RELAXED) == w[0] &&
+	       __atomic_load_n(&k[1], __ATOMIC_RELAXED) == w[1];
+}
+
+/* Gives the caller slot e, which it found idle in state st holding the
+ * caller's key.  False when the word changed meanwhile.  The acquire pairs
+ * with the release that left the slot idle. */
+static inline bool
+slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
+	  uint64_t *fence)
+{
+	uint64_t held = (st + FENCE_ONE) | E_HELD;
+
+	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, held,
+						     memory_order_acquire,
+						     memory_order_relaxed))
+		return false;
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
+			      memory_order_relaxed);
+	e->lock = NULL;
+	*out = e;
+	*fence = fence_of(held);
+	return true;
+}
+
+/* Writes the caller's key into slot e, found in state st neither held nor
+ * busy, and gives it the slot, held.  False when the word changed
+ * meanwhile.  Without the lock, st must not have E_CHAIN; with it, the
+ * caller searched the chains for the key. */
+static bool
+slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
+	   size_t len, const uint64_t w[2], struct kl__entry **out,
+	   uint64_t *fence)
+{
+	uint64_t f = fence_of(st), *k = slot_words(e), busy;
+	/* Read after st, which came with acquire order: a floor raised
+	 * before the mark that kept stealers off went is seen. */
+	uint64_t lo = __atomic_load_n(&s->floor[slot_index(h)],
+				      __ATOMIC_RELAXED);
+
+	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
+	       E_SLOT | E_USED | E_HELD | E_BUSY;
+
+	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, busy,
+						     memory_order_acquire,
+						     memory_order_relaxed))
+		return false;
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	/* A reader that sees any of the words below sees E_BUSY too (the
+	 * fence pairs with the one in fast_acquire), so its own
+	 * compare-and-swap against the old word fails. */
+	atomic_thread_fence(memory_order_release);
+	__atomic_store_n(&e->hash, h, __ATOMIC_RELAXED);
+	__atomic_store_n(&e->len, (uint32_t)len, __ATOMIC_RELAXED);
+	__atomic_store_n(&k[0], w[0], __ATOMIC_RELAXED);
+	__atomic_store_n(&k[1], w[1], __ATOMIC_RELAXED);
+	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
+			      memory_order_relaxed);
+	e->lock = NULL;
+	KL_YIELD("slot busy");
+	/* Nobody else changes a busy word. */
+	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,
+			      memory_order_release);
+	*out = e;
+	*fence = fence_of(busy);
+	return true;
+}
+
+/* The word of slot e once no stealer is writing it.  Lock held; a stealer
+ * never takes it, so waiting with it held cannot deadlock. */
+static uint64_t
+settled(struct kl__entry *e)
+{
+	uint64_t st;
+
+	while ((st = state_of(e, memory_order_acquire)) & E_BUSY)
+		sched_yield();
+	return st;
+}
+
+/* Reads slot e, lock held: 1 when it holds the key of hash h, len bytes
+ * and words w, 0 when it holds another key or none, with *st its word
+ * then; -1 when a stealer wrote it as it was read (look again).  With the
+ * lock held and E_CHAIN set, a slot's key stays as read: only a take or a
+ * release of that key can change the word. */
+static int
+slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
+	  uint64_t *st)
+{
+	bool has;
+
+	*st = settled(e);
+	has = (*st & E_USED) && slot_has(e, h, len, w);
+	/* Pairs with the stealer's fence: words it wrote mean a new word. */
+	atomic_thread_fence(memory_order_acquire);
+	if (state_of(e, memory_order_relaxed) != *st)
+		return -1;
+	return has;
+}
+
+/* The slots of s, made if need be (lock held).  NULL when out of
+ * memory. */
+static struct kl__entry *
+slots_of(struct shard *s)
+{
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_relaxed);
+
+	if (slots != NULL)
+		return slots;
+	if ((slots = kl__calloc(SLOTS, SLOT_SIZE)) == NULL)
+		return NULL;
+	for (unsigned i = 0; i < SLOTS; i++) {
+		struct kl__entry *e = slot_at(slots, i);
+
+		kl__waitq_init(&e->q, &s->lock);
+		atomic_init(&e->state, E_SLOT);
+		atomic_init(&e->owner_tid, 0);
+		KL_ANNOTATE_ATOMIC(&e->state);
+		KL_ANNOTATE_ATOMIC(&e->owner_tid);
+		KL_ANNOTATE_ATOMIC(&e->hash);
+		KL_ANNOTATE_ATOMIC(&e->len);
+		KL_ANNOTATE_ATOMIC(&slot_words(e)[0]);
+		KL_ANNOTATE_ATOMIC(&slot_words(e)[1]);
+	}
+	/* Release: a lock-free reader sees the slots made. */
+	atomic_store_explicit(&s->slots, slots, memory_order_release);
+	return slots;
+}
+
+/* Takes a short key that sits idle in its slot, or that can have its slot
+ * (idle or empty, no chained key of its index), without the lock.  False
+ * when that does not do: the caller takes the lock. */
+static inline __attribute__((always_inline)) bool
+fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
+	     struct kl__entry **out, uint64_t *fence)
+{
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_acquire);
+	struct kl__entry *e;
+	uint64_t st, w[2];
+	bool mine;
+
+	if (slots == NULL)
+		return false;
+	e = slot_at(slots, slot_index(h));
+	st = state_of(e, memory_order_acquire);
+	if (st & (E_HELD | E_BUSY))
+		return false;
+	key_words(key, len, w);
+	mine = (st & E_USED) && slot_has(e, h, len, w);
+	/* Pairs with the stealer's fence (slot_claim): if the key read above
+	 * was being replaced, the compare-and-swap below fails. */
+	atomic_thread_fence(memory_order_acquire);
+	if (mine)
+		return slot_take(e, st, out, fence);
+	if (st & E_CHAIN)
+		return false;
+	return slot_claim(s, e, st, h, len, w, out, fence);
+}
+
+/* ------------------------------------------------------------------ */
+/* Chains */
+
+/* The chained entry of key, or NULL; *chain gets the length of its
+ * bucket.  Lock held. */
+static inline struct kl__entry *
+find(struct shard *s, uint32_t h, const char *key, size_t len, size_t *chain)
 {
 	struct kl__entry *e;
 	size_t n = 0;
 
 	s->lookups++;
+	*chain = 0;
 	if (s->buckets == NULL)
 		return NULL;
 	for (e = s->buckets[bucket_of(s, h, key, len)]; e != NULL;
@@ -354,14 +566,9 @@ find(struct shard *s, uint32_t h, const char *key, size_t len,
 		if (e->hash == h && e->len == len &&
 		    same_bytes(e->key, key, len))
 			break;
-		if (m != NULL && m->reuse == NULL && len < INLINE_KEY &&
-		    e->len < INLINE_KEY &&
-		    state_of(e, memory_order_acquire) == 0)
-			m->reuse = e;
 	}
 	s->probes += n;
-	if (m != NULL)
-		m->chain = n;
+	*chain = n;
 	return e;
 }
 
@@ -405,89 +612,35 @@ check_chain(struct shard *s, size_t chain)
 }
 
 /* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard whose
- * only key comes and goes keeps its small array instead of allocating it
- * on every acquire.  Lock held. */
+ * only chained key comes and goes keeps its small array instead of
+ * allocating it on every acquire.  Lock held. */
 static void
 maybe_shrink(struct shard *s)
 {
-	size_t n = count_of(s);
-
-	while (s->mask + 1 > MIN_BUCKETS && n < (s->mask + 1) / 4) {
+	while (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4) {
 		if (!rehash(s, (s->mask + 1) / 2))
 			break; /* out of memory: stay as is */
 	}
 }
 
-/* What to free of e, just unlinked: nothing when the stash takes it. */
-static struct kl__entry *
-to_stash(struct shard *s, struct kl__entry *e)
-{
-	if (s->nstash < STASH_MAX && e->len < INLINE_KEY) {
-		e->next = s->stash;
-		s->stash = e;
-		s->nstash++;
-		return NULL;
-	}
-	return e;
-}
-
-/* Unlinks every idle entry of s.  Lock held: idle entries do not change
- * under it, and the acquire load pairs with the CAS that freed each. */
-static void
-sweep(struct shard *s)
-{
-	size_t n = count_of(s);
-
-	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++) {
-		struct kl__entry **pp = &s->buckets[b], *e;
-
-		while ((e = *pp) != NULL) {
-			if (state_of(e, memory_order_acquire) != 0) {
-				pp = &e->next;
-				continue;
-			}
-			KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
-			*pp = e->next;
-			n--;
-			kl__free(to_stash(s, e));
-		}
-	}
-	set_count(s, n);
-	s->swept = n;
-	maybe_shrink(s);
-}
-
-/* Links a new entry for key, held by the caller; chain is the length of
- * its bucket.  Lock held. */
+/* Links a new chained entry for key, held by the caller with fence; chain
+ * is the length of its bucket.  Lock held. */
 static int
 insert(struct shard *s, uint32_t h, const char *key, size_t len,
-       size_t chain, struct kl__entry **out)
+       size_t chain, uint64_t fence, struct kl__entry **out)
 {
 	struct kl__entry *e;
-	size_t b, n = count_of(s);
+	size_t b;
 
-	/* A shard has at most SMALL idle entries (see above), so only
-	 * one of up to SWEEP_MAX entries is swept: at SMALL, and then at
-	 * twice what each sweep left, so that sweeps cost each insert O(1)
-	 * over time. */
-	if (n >= SMALL && n < SWEEP_MAX && n >= 2 * s->swept) {
-		sweep(s);
-		n = count_of(s);
-		chain = 0; /* shorter now, if anything */
-	}
 	if (s->buckets == NULL) {
 		if (!rehash(s, MIN_BUCKETS))
 			return KL_ENOMEM;
-	} else if (n >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS) {
+	} else if (s->count >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS) {
 		rehash(s, (s->mask + 1) * 2);
 	} else {
 		check_chain(s, chain);
 	}
-	if (len < INLINE_KEY && s->stash != NULL) {
-		e = s->stash;
-		s->stash = e->next;
-		s->nstash--;
-	} else if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
+	if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
 		   (e = kl__malloc(sizeof *e + (len < INLINE_KEY
 							? INLINE_KEY
 							: len + 1))) == NULL) {
@@ -496,18 +649,17 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	e->hash = h;
 	e->len = (uint32_t)len;
 	kl__waitq_init(&e->q, &s->lock);
-	KL_ANNOTATE_ATOMIC(&e->q.user);
-	atomic_store_explicit(&e->q.user,
-			      n + 1 <= SMALL ? E_HELD | E_CAS : E_HELD,
-			      memory_order_relaxed);
-	e->owner_tid = kl__thread_id();
+	atomic_init(&e->state, (fence << FENCE_SHIFT) | E_HELD);
+	atomic_init(&e->owner_tid, kl__thread_id());
+	KL_ANNOTATE_ATOMIC(&e->state);
+	KL_ANNOTATE_ATOMIC(&e->owner_tid);
 	e->lock = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
 	b = bucket_of(s, h, key, len);
 	e->next = s->buckets[b];
 	s->buckets[b] = e;
-	set_count(s, n + 1);
+	s->count++;
 	*out = e;
 	return KL_OK;
 }
@@ -521,116 +673,185 @@ unlink_entry(struct shard *s, struct kl__entry *e)
 	while (*pp != e)
 		pp = &(*pp)->next;
 	*pp = e->next;
-	set_count(s, count_of(s) - 1);
-	if (s->swept > count_of(s))
-		s->swept = count_of(s);
+	s->count--;
 	maybe_shrink(s);
 }
 
-/* The state word of an entry just taken.  Lock held. */
-static inline unsigned
-held_word(struct shard *s)
+/* A chained short key of slot index i is gone with fence f: the floor of
+ * the slot rises to it, and the slot loses its mark with the last such
+ * key.  Lock held; the slot cannot be busy (it is marked), but its key
+ * may be taken or given back meanwhile. */
+static void
+slot_unchain(struct shard *s, unsigned i, uint64_t f)
 {
-	return count_of(s) <= SMALL ? E_HELD | E_CAS : E_HELD;
+	struct kl__entry *e = slot_at(
+		atomic_load_explicit(&s->slots, memory_order_relaxed), i);
+	uint64_t st;
+
+	if (s->floor[i] < f)
+		__atomic_store_n(&s->floor[i], f, __ATOMIC_RELAXED);
+	if (--s->nchain[i] != 0)
+		return;
+	/* Release: a stealer that sees the mark gone sees the floor. */
+	st = state_of(e, memory_order_relaxed);
+	while (!atomic_compare_exchange_weak_explicit(
+		&e->state, &st, st & ~(uint64_t)E_CHAIN, memory_order_release,
+		memory_order_relaxed))
+		;
 }
 
-/* Takes e, free, for the caller (with key, when e is an idle entry of
- * another key that takes it over).  Lock held: nothing else changes a free
- * entry then.  The caller found it free with an acquire load, which pairs
- * with the releaser's CAS, so the last holder's writes are visible. */
-static inline __attribute__((always_inline)) void
-take_free(struct shard *s, struct kl__entry *e, uint32_t h, const char *key,
-	  size_t len, struct kl__entry **out, uint64_t *fence)
+/* Unlinks chained entry e, released with fence f and nobody waiting, and
+ * passes its fence on (see the top).  Lock held. */
+static void
+unchain(struct shard *s, struct kl__entry *e, uint64_t f)
 {
-	KL_ANNOTATE_HAPPENS_AFTER(&e->q.user);
-	if (key != NULL) {
-		e->hash = h;
-		e->len = (uint32_t)len;
-		memcpy(e->key, key, len);
-		e->key[len] = '\0';
-	}
-	e->owner_tid = kl__thread_id();
-	e->lock = NULL;
-	*fence = e->fence = ++s->fence;
-	atomic_store_explicit(&e->q.user, held_word(s), memory_order_relaxed);
-	*out = e;
+	unlink_entry(s, e);
+	if (e->len < INLINE_KEY)
+		slot_unchain(s, slot_index(e->hash), f);
+	else if (s->fence < f)
+		s->fence = f;
 }
 
-/* Takes a key with no entry for the caller: an idle entry of its bucket
- * taken over, or a new one.  Lock held. */
+/* ------------------------------------------------------------------ */
+/* Acquire and release */
+
+/* take_locked's outcome when another holds the key. */
+#define KEY_HELD 1
+
+/* Takes key for the caller if nobody holds it: KL_OK with *out and *fence;
+ * KEY_HELD with *out the entry that is held and *st its word then;
+ * KL_ENOMEM.  Lock held. */
 static int
-take_new(struct shard *s, uint32_t h, const char *key, size_t len,
-	 const struct miss *m, struct kl__entry **out, uint64_t *fence)
+take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
+	    struct kl__entry **out, uint64_t *st, uint64_t *fence)
 {
-	struct kl__entry *e;
-	int rc;
+	struct kl__entry *slots, *e, *c;
+	uint64_t w[2], f;
+	unsigned i = slot_index(h);
+	size_t chain;
+	int rc, has;
 
-	if (m->reuse != NULL) {
-		take_free(s, m->reuse, h, key, len, out, fence);
-		return KL_OK;
+	if (len >= INLINE_KEY) {
+		if ((c = find(s, h, key, len, &chain)) != NULL) {
+			*out = c;
+			*st = state_of(c, memory_order_relaxed);
+			return KEY_HELD;
+		}
+		if ((rc = insert(s, h, key, len, chain, s->fence + 1, out)) ==
+		    KL_OK)
+			*fence = ++s->fence;
+		return rc;
 	}
-	if ((rc = insert(s, h, key, len, m->chain, &e)) == KL_OK) {
-		*out = e;
-		*fence = e->fence = ++s->fence;
+	if ((slots = slots_of(s)) == NULL)
+		return KL_ENOMEM;
+	e = slot_at(slots, i);
+	key_words(key, len, w);
+	for (;;) {
+		if ((has = slot_read(e, h, len, w, st)) < 0)
+			continue;
+		if (has) {
+			if (*st & E_HELD) {
+				*out = e;
+				return KEY_HELD;
+			}
+			if (slot_take(e, *st, out, fence))
+				return KL_OK;
+			continue; /* taken or stolen meanwhile */
+		}
+		if ((c = find(s, h, key, len, &chain)) != NULL) {
+			*out = c;
+			*st = state_of(c, memory_order_relaxed);
+			return KEY_HELD;
+		}
+		if (!(*st & E_HELD)) {
+			/* The chains were searched: E_CHAIN does not stop
+			 * the lock's holder. */
+			if (slot_claim(s, e, *st, h, len, w, out, fence))
+				return KL_OK;
+			continue;
+		}
+		/* Another key holds the slot: the key goes in a chain, and
+		 * the mark keeps stealers off the slot meanwhile. */
+		if ((*st & E_CHAIN) ||
+		    atomic_compare_exchange_strong_explicit(
+			    &e->state, st, *st | E_CHAIN,
+			    memory_order_relaxed, memory_order_relaxed))
+			break;
+	}
+	/* Above every fence the key had: in the slot (its fences never
+	 * pass the slot's) or chained before (the floor). */
+	f = fence_of(*st) > s->floor[i] ? fence_of(*st) : s->floor[i];
+	rc = insert(s, h, key, len, chain, f + 1, &c);
+	s->nchain[i]++;
+	if (rc == KL_OK) {
+		*out = c;
+		*fence = f + 1;
+	} else {
+		slot_unchain(s, i, 0); /* drops the mark if it was the only */
 	}
 	return rc;
 }
 
-/* Marks e as waited for before a waiter queues, so that its holder
- * releases through the lock.  Lock held.  Returns false when the holder
- * gave the key back meanwhile. */
+/* Marks e, found held in word st, as waited for, so that its holder
+ * releases through the lock.  False when the word changed meanwhile (the
+ * key may be free now, or e another key's): look again.  Lock held. */
 static bool
-mark_waiting(struct kl__entry *e)
+mark_waiting(struct kl__entry *e, uint64_t st)
 {
-	unsigned v = state_of(e, memory_order_acquire);
+	uint64_t want = st | E_WAITERS;
 
-	/* Acquire on failure too: a key found free is taken (take_free). */
-	while (v & E_HELD) {
-		if ((v & E_WAITERS) ||
-		    atomic_compare_exchange_weak_explicit(
-			    &e->q.user, &v, v | E_WAITERS,
-			    memory_order_acquire, memory_order_acquire))
-			return true;
-	}
-	return false;
+	if (atomic_compare_exchange_strong_explicit(&e->state, &st, want,
+						    memory_order_relaxed,
+						    memory_order_relaxed))
+		return true;
+	return st == want; /* another waiter marked it: the same holder */
 }
 
 /* Whether a caller that finds e held must fail rather than wait: KL_EDEADLK,
  * KL_ETIMEDOUT, or KL_OK to wait.  Lock held. */
 static int
-refusal(const struct kl__entry *e, int64_t deadline_ns, unsigned flags)
+refusal(struct kl__entry *e, int64_t deadline_ns, unsigned flags)
 {
-	if ((flags & KL_ERRORCHECK) && e->owner_tid == kl__thread_id())
+	if ((flags & KL_ERRORCHECK) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) ==
+		    kl__thread_id())
 		return KL_EDEADLK;
 	if (deadline_ns != KL_NO_DEADLINE && kl__now_ns() >= deadline_ns)
 		return KL_ETIMEDOUT;
 	return KL_OK;
 }
 
-/* Waits as w (prepared) for e, found held.  Lock held on entry, released
- * on return. */
+/* Takes key, or waits for it as w (prepared).  Lock held on entry,
+ * released on return. */
 static int
-wait_held(struct shard *s, struct kl__entry *e, struct kl__waiter *w,
-	  int64_t deadline_ns, unsigned flags, struct kl__entry **out,
-	  uint64_t *fence)
+take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
+	     struct kl__waiter *w, int64_t deadline_ns, unsigned flags,
+	     struct kl__entry **out, uint64_t *fence)
 {
+	struct kl__entry *e = NULL;
+	uint64_t st = 0;
 	int rc;
 
-	if ((rc = refusal(e, deadline_ns, flags)) != KL_OK) {
-		pthread_mutex_unlock(&s->lock);
-		return rc;
+	for (;;) {
+		rc = take_locked(s, h, key, len, &e, &st, fence);
+		if (rc != KEY_HELD) {
+			if (rc == KL_OK)
+				*out = e;
+			break;
+		}
+		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
+			break;
+		if (mark_waiting(e, st)) {
+			rc = kl__waitq_wait(&e->q, w, deadline_ns,
+					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
+			if (rc == KL_OK) {
+				*out = e;
+				*fence = w->data;
+			}
+			return rc;
+		}
 	}
-	if (!mark_waiting(e)) {
-		take_free(s, e, 0, NULL, 0, out, fence);
-		pthread_mutex_unlock(&s->lock);
-		return KL_OK;
-	}
-	rc = kl__waitq_wait(&e->q, w, deadline_ns, KL_UNBOUNDED,
-			    KL_OVERFLOW_THIS);
-	if (rc == KL_OK) {
-		*out = e;
-		*fence = w->data;
-	}
+	pthread_mutex_unlock(&s->lock);
 	return rc;
 }
 
@@ -638,14 +859,15 @@ wait_held(struct shard *s, struct kl__entry *e, struct kl__waiter *w,
  * entry, released on return.  Out of line: the waiter would make the
  * frame of every acquire big. */
 static __attribute__((noinline)) int
-acquire_held(struct shard *s, struct kl__entry *e, int64_t deadline_ns,
-	     unsigned flags, struct kl__entry **out, uint64_t *fence)
+acquire_held(struct shard *s, uint32_t h, const char *key, size_t len,
+	     int64_t deadline_ns, unsigned flags, struct kl__entry **out,
+	     uint64_t *fence)
 {
 	struct kl__waiter w;
 	int rc;
 
 	kl__waiter_prepare(&w, &s->lock, NULL);
-	rc = wait_held(s, e, &w, deadline_ns, flags, out, fence);
+	rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out, fence);
 	kl__waiter_finish(&w);
 	return rc;
 }
@@ -657,8 +879,6 @@ acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
 		    struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__waiter w;
-	struct miss m = { NULL, 0 };
-	struct kl__entry *e;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
@@ -671,15 +891,9 @@ acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
 		 * granted to it. */
 		rc = w.status;
 		pthread_mutex_unlock(&s->lock);
-	} else if ((e = find(s, h, key, len, &m)) == NULL) {
-		rc = take_new(s, h, key, len, &m, out, fence);
-		pthread_mutex_unlock(&s->lock);
-	} else if (!(state_of(e, memory_order_acquire) & E_HELD)) {
-		take_free(s, e, 0, NULL, 0, out, fence);
-		rc = KL_OK;
-		pthread_mutex_unlock(&s->lock);
 	} else {
-		rc = wait_held(s, e, &w, deadline_ns, flags, out, fence);
+		rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out,
+				  fence);
 	}
 	kl__waiter_finish(&w);
 	return rc;
@@ -692,55 +906,64 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 {
 	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
-	struct miss m = { NULL, 0 };
 	struct kl__entry *e;
-	int rc = KL_OK;
+	uint64_t st;
+	int rc;
 
 	*out = NULL;
 	*fence = 0;
 	if (c != NULL)
 		return acquire_cancellable(s, h, key, len, deadline_ns, c,
 					   flags, out, fence);
+	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
+		return KL_OK;
 	pthread_mutex_lock(&s->lock);
-	if ((e = find(s, h, key, len, &m)) == NULL)
-		rc = take_new(s, h, key, len, &m, out, fence);
-	else if (!(state_of(e, memory_order_acquire) & E_HELD))
-		take_free(s, e, 0, NULL, 0, out, fence);
-	else
-		return acquire_held(s, e, deadline_ns, flags, out, fence);
+	rc = take_locked(s, h, key, len, &e, &st, fence);
+	if (rc == KEY_HELD)
+		return acquire_held(s, h, key, len, deadline_ns, flags, out,
+				    fence);
 	pthread_mutex_unlock(&s->lock);
+	if (rc == KL_OK)
+		*out = e;
 	return rc;
 }
 
-/* kl__table_release when the CAS cannot do: waiters marked, or a big
- * shard. */
+/* kl__table_release when the compare-and-swap cannot do: waiters marked,
+ * or a chained entry. */
 static __attribute__((noinline)) void
 release_locked(struct shard *s, struct kl__entry *e)
 {
 	struct kl__waiter *w;
 	void *wake = NULL;
+	uint64_t st, f;
 
 	pthread_mutex_lock(&s->lock);
-	/* Only this lock's holder changes the word now: a releaser's CAS
-	 * needs HELD|CAS alone, and the caller is the holder. */
+	/* Only this lock's holder changes a held word now (a lock-free
+	 * taker needs it free, and the caller is the holder), so plain
+	 * stores do. */
+	st = state_of(e, memory_order_relaxed);
+	f = fence_of(st);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
-		e->owner_tid = w->tid;
-		w->data = e->fence = ++s->fence;
-		atomic_store_explicit(&e->q.user,
-				      held_word(s) |
-					      (e->q.len != 0 ? E_WAITERS : 0),
+		atomic_store_explicit(&e->owner_tid, w->tid,
 				      memory_order_relaxed);
+		w->data = f + 1;
+		atomic_store_explicit(
+			&e->state,
+			((f + 1) << FENCE_SHIFT) |
+				(st & (E_SLOT | E_USED | E_CHAIN)) | E_HELD |
+				(e->q.len != 0 ? E_WAITERS : 0),
+			memory_order_relaxed);
 		wake = kl__waiter_settle(w);
 		e = NULL;
+	} else if (st & E_SLOT) {
+		/* Waiters came and went: idle, as after a CAS release. */
+		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		atomic_store_explicit(&e->state,
+				      st & ~(uint64_t)(E_HELD | E_WAITERS),
+				      memory_order_release);
+		e = NULL;
 	} else {
-		/* Given back through the lock: taken in a big shard, or
-		 * waiters came and went.  Not worth keeping idle. */
-		unlink_entry(s, e);
-		e = to_stash(s, e);
-		/* A shard shrinking through SWEEP_MAX drops the idle
-		 * entries its E_CAS holders left while it was big. */
-		if (count_of(s) == SWEEP_MAX)
-			sweep(s);
+		unchain(s, e, f);
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
@@ -751,42 +974,86 @@ release_locked(struct shard *s, struct kl__entry *e)
 void
 kl__table_release(struct kl__table *t, struct kl__entry *e)
 {
-	unsigned st = E_HELD | E_CAS;
+	uint64_t st = state_of(e, memory_order_relaxed);
 
-	KL_ANNOTATE_HAPPENS_BEFORE(&e->q.user);
-	/* Release order: the next holder, which loads the word under the
-	 * shard lock, sees what this one wrote.  After it, e may be taken
-	 * over or freed. */
-	if (atomic_compare_exchange_strong_explicit(&e->q.user, &st, 0,
-						    memory_order_release,
-						    memory_order_relaxed))
-		return;
-	release_locked(shard_of(t, e->hash), e);
+	/* Before a slot is free: a caller with KL_ERRORCHECK that meets its
+	 * next holder (who writes its id after taking it) must never see
+	 * this thread's id there.  A chained entry's id only changes under
+	 * the lock. */
+	if (st & E_SLOT)
+		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	/* Release order: the next holder, which takes the word with an
+	 * acquire, sees what this one wrote.  After it, the slot may be
+	 * taken or stolen at once.  A failure means a mark came meanwhile
+	 * (E_CHAIN or E_WAITERS): look again. */
+	while ((st & (E_SLOT | E_WAITERS)) == E_SLOT)
+		if (atomic_compare_exchange_weak_explicit(
+			    &e->state, &st, st & ~(uint64_t)E_HELD,
+			    memory_order_release, memory_order_relaxed))
+			return;
+	release_locked(shard_of(t, __atomic_load_n(&e->hash,
+						   __ATOMIC_RELAXED)),
+		       e);
 }
 
-/* Held and idle entries of s.  Lock held. */
+/* ------------------------------------------------------------------ */
+/* Counts */
+
+/* Held, idle and chained entries of s.  Lock held. */
 static void
-count_entries(struct shard *s, size_t *held, size_t *idle)
+count_entries(struct shard *s, size_t *held, size_t *idle, size_t *chained)
 {
-	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
-		for (struct kl__entry *e = s->buckets[b]; e != NULL;
-		     e = e->next) {
-			if (state_of(e, memory_order_relaxed) & E_HELD)
-				++*held;
-			else
-				++*idle;
-		}
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_relaxed);
+
+	*held += s->count; /* a chained entry is always held */
+	if (chained != NULL)
+		*chained += s->count;
+	for (unsigned i = 0; slots != NULL && i < SLOTS; i++) {
+		uint64_t st = state_of(slot_at(slots, i),
+				       memory_order_relaxed);
+
+		if (st & E_HELD)
+			++*held;
+		else if (st & E_USED)
+			++*idle;
+	}
 }
 
+/* Keys held now: the chains, stood still under all the locks, and the
+ * slots, which lock-free takers and releasers change meanwhile.  A slot
+ * counts when it was held with the same word in two scans: held through
+ * the moment between them, so that a release in a shard already counted
+ * and a take in one not yet counted never add up to more keys than were
+ * ever held at once.  A slot that changed between the scans is left out,
+ * as a key given back during the count may be. */
 size_t
 kl__table_size(struct kl__table *t)
 {
-	size_t held = 0, idle = 0;
+	uint64_t first[NSHARDS][SLOTS] = { { 0 } };
+	size_t held = 0;
 
 	for (int i = 0; i < NSHARDS; i++)
 		pthread_mutex_lock(&t->shards[i].lock);
-	for (int i = 0; i < NSHARDS; i++)
-		count_entries(&t->shards[i], &held, &idle);
+	for (int pass = 0; pass < 2; pass++)
+		for (int i = 0; i < NSHARDS; i++) {
+			struct shard *s = &t->shards[i];
+			struct kl__entry *slots = atomic_load_explicit(
+				&s->slots, memory_order_relaxed);
+
+			for (unsigned j = 0; slots != NULL && j < SLOTS; j++) {
+				uint64_t st = state_of(slot_at(slots, j),
+						       memory_order_acquire);
+
+				if (pass == 0)
+					first[i][j] = st;
+				else if (st == first[i][j] && (st & E_HELD))
+					held++;
+			}
+			if (pass == 1)
+				held += s->count;
+		}
 	for (int i = NSHARDS - 1; i >= 0; i--)
 		pthread_mutex_unlock(&t->shards[i].lock);
 	return held;
@@ -798,11 +1065,24 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 {
 	uint32_t h = hash_of(t, key, len);
 	struct shard *s = shard_of(t, h);
-	struct kl__entry *e;
+	struct kl__entry *slots, *e = NULL;
+	uint64_t st = 0, w[2];
+	size_t chain;
+	int has;
 
 	pthread_mutex_lock(&s->lock);
-	e = find(s, h, key, len, NULL);
-	*holders = e != NULL && (state_of(e, memory_order_relaxed) & E_HELD);
+	slots = atomic_load_explicit(&s->slots, memory_order_relaxed);
+	if (len < INLINE_KEY && slots != NULL) {
+		e = slot_at(slots, slot_index(h));
+		key_words(key, len, w);
+		while ((has = slot_read(e, h, len, w, &st)) < 0)
+			;
+		if (!has)
+			e = NULL; /* another key's, or none */
+	}
+	if (e == NULL && (e = find(s, h, key, len, &chain)) != NULL)
+		st = state_of(e, memory_order_relaxed);
+	*holders = e != NULL && (st & E_HELD);
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -825,7 +1105,7 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 		struct shard *s = &t->shards[i];
 
 		pthread_mutex_lock(&s->lock);
-		count_entries(s, &out->entries, &out->idle);
+		count_entries(s, &out->entries, &out->idle, &out->chained);
 		out->lookups += s->lookups;
 		out->probes += s->probes;
 		out->strong += s->strong;
@@ -848,13 +1128,15 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 #ifdef KL_TEST_HOOKS
 /* GCOVR_EXCL_START: invariant checks of the test build; their failure
  * branches run only on a broken invariant, and users never get them. */
-/* One entry of shard i, found in bucket b.  Lock held. */
+/* Chained entry e of shard i, found in bucket b.  Lock held. */
 static int
 check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 {
 	struct shard *s = &t->shards[i];
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_relaxed);
 	char shown[72], what[112];
-	unsigned st;
+	uint64_t st, w[2];
 
 	kl__key_printable(shown, sizeof shown, e->key, e->len);
 	if (shard_of(t, e->hash) != s ||
@@ -877,76 +1159,96 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
-	/* A holder may give its key back at any moment (HELD|CAS -> 0), so
-	 * only a word with waiters marked, or a free one, is stable here. */
-	st = state_of(e, memory_order_acquire);
-	if (st != 0 && !(st & E_HELD)) {
-		kl__test_report("shard %d: entry '%s' has state %#x", i,
-				shown, st);
+	/* Only the lock's holder changes a chained entry's word. */
+	st = state_of(e, memory_order_relaxed);
+	if ((st & E_FLAGS & ~(uint64_t)E_WAITERS) != E_HELD ||
+	    fence_of(st) == 0) {
+		kl__test_report("shard %d: chained '%s' has state %#llx", i,
+				shown, (unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (st & ~(E_HELD | E_WAITERS | E_CAS)) {
-		kl__test_report("shard %d: entry '%s' has state %#x", i,
-				shown, st);
-		return KL_EINVAL;
-	}
-	if (e->q.len > 0 && (st & (E_HELD | E_WAITERS)) !=
-				    (E_HELD | E_WAITERS)) {
+	if (e->q.len > 0 && !(st & E_WAITERS)) {
 		kl__test_report("shard %d: entry '%s' has %zu waiters, state "
-				"%#x",
-				i, shown, (size_t)e->q.len, st);
+				"%#llx",
+				i, shown, (size_t)e->q.len,
+				(unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (e->owner_tid == 0) {
-		kl__test_report("shard %d: entry '%s' never had a holder", i,
+	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0) {
+		kl__test_report("shard %d: entry '%s' has no holder", i,
 				shown);
 		return KL_EINVAL;
 	}
-	if (e->fence == 0 || e->fence > s->fence) {
-		kl__test_report("shard %d: entry '%s' has fence %llu, shard "
-				"issued %llu",
-				i, shown, (unsigned long long)e->fence,
-				(unsigned long long)s->fence);
-		return KL_EINVAL;
+	if (e->len < INLINE_KEY) {
+		struct kl__entry *slot;
+
+		if (slots == NULL) {
+			kl__test_report("shard %d: short key '%s' chained "
+					"without slots",
+					i, shown);
+			return KL_EINVAL;
+		}
+		slot = slot_at(slots, slot_index(e->hash));
+		st = settled(slot);
+		key_words(e->key, e->len, w);
+		if (!(st & E_CHAIN) ||
+		    ((st & E_USED) && slot_has(slot, e->hash, e->len, w))) {
+			kl__test_report("shard %d: chained '%s': its slot "
+					"has state %#llx%s",
+					i, shown, (unsigned long long)st,
+					(st & E_CHAIN) ? " and the key too"
+						       : "");
+			return KL_EINVAL;
+		}
 	}
 	snprintf(what, sizeof what, "shard %d: queue of '%s'", i, shown);
 	return kl__waitq_check(&e->q, &s->lock, what);
 }
 
-/* The stash of shard i: nstash unlinked entries of inline size. */
+/* Slot j of shard i.  Lock held; a lock-free taker may change the slot
+ * meanwhile, so it is read atomically and judged only if it stood still. */
 static int
-check_stash(struct shard *s, int i)
+check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 {
-	unsigned n = 0;
+	struct shard *s = &t->shards[i];
+	uint64_t st = settled(e), w[2], k[2];
+	uint32_t h = __atomic_load_n(&e->hash, __ATOMIC_RELAXED);
+	uint32_t len = __atomic_load_n(&e->len, __ATOMIC_RELAXED);
+	char key[INLINE_KEY], shown[72], what[112];
+	size_t qlen = e->q.len;
+	bool bad = false;
 
-	for (struct kl__entry *e = s->stash; e != NULL; e = e->next) {
-		if (++n > s->nstash || n > STASH_MAX) {
-			kl__test_report("shard %d: stash longer than %u (or "
-					"a cycle)",
-					i, s->nstash);
-			return KL_EINVAL;
-		}
-		if (e->len >= INLINE_KEY) {
-			kl__test_report("shard %d: stash has a %u-byte key",
-					i, (unsigned)e->len);
-			return KL_EINVAL;
-		}
-		for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
-			for (struct kl__entry *o = s->buckets[b]; o != NULL;
-			     o = o->next)
-				if (o == e) {
-					kl__test_report("shard %d: stashed "
-							"entry is linked",
-							i);
-					return KL_EINVAL;
-				}
+	k[0] = __atomic_load_n(&slot_words(e)[0], __ATOMIC_RELAXED);
+	k[1] = __atomic_load_n(&slot_words(e)[1], __ATOMIC_RELAXED);
+	atomic_thread_fence(memory_order_acquire);
+	if (state_of(e, memory_order_relaxed) != st)
+		return KL_OK;
+	memcpy(key, k, sizeof key);
+	if (!(st & E_SLOT) || (st & E_BUSY) ||
+	    ((st & E_CHAIN) != 0) != (s->nchain[j] != 0)) {
+		bad = true;
+	} else if (!(st & E_USED)) {
+		bad = (st & (E_HELD | E_WAITERS)) || qlen != 0;
+	} else {
+		key_words(key, len < INLINE_KEY ? len : 0, w);
+		bad = len >= INLINE_KEY || w[0] != k[0] || w[1] != k[1] ||
+		      shard_of(t, h) != s || slot_index(h) != j ||
+		      hash_of(t, key, len) != h || fence_of(st) == 0 ||
+		      (!(st & E_HELD) && (st & E_WAITERS)) ||
+		      (qlen > 0 && !(st & E_WAITERS));
 	}
-	if (n != s->nstash) {
-		kl__test_report("shard %d: %u stashed, nstash %u", i, n,
-				s->nstash);
+	if (bad) {
+		kl__key_printable(shown, sizeof shown, key,
+				  len < INLINE_KEY ? len : 0);
+		kl__test_report("shard %d slot %u: '%s' (hash %#x) has state "
+				"%#llx, %zu waiters, %u chained",
+				i, j, shown, (unsigned)h,
+				(unsigned long long)st, qlen,
+				(unsigned)s->nchain[j]);
 		return KL_EINVAL;
 	}
-	return KL_OK;
+	snprintf(what, sizeof what, "shard %d: queue of slot %u", i, j);
+	return kl__waitq_check(&e->q, &s->lock, what);
 }
 
 /* Shard i.  Lock held. */
@@ -954,17 +1256,19 @@ static int
 check_shard(struct kl__table *t, int i)
 {
 	struct shard *s = &t->shards[i];
-	size_t n = 0, cas = 0, count = count_of(s), nb = s->mask + 1;
-	unsigned st;
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_relaxed);
+	size_t n = 0, nb = s->mask + 1, short_keys[SLOTS] = { 0 };
 	int rc = KL_OK;
 
-	if (check_stash(s, i) != KL_OK)
-		rc = KL_EINVAL;
+	for (unsigned j = 0; slots != NULL && j < SLOTS; j++)
+		if (check_slot(t, i, j, slot_at(slots, j)) != KL_OK)
+			rc = KL_EINVAL;
 	if (s->buckets == NULL) {
-		if (count != 0 || s->mask != 0) {
+		if (s->count != 0 || s->mask != 0) {
 			kl__test_report("shard %d: no buckets, count %zu, "
 					"mask %zu",
-					i, count, s->mask);
+					i, s->count, s->mask);
 			rc = KL_EINVAL;
 		}
 		return rc;
@@ -976,31 +1280,30 @@ check_shard(struct kl__table *t, int i)
 	for (size_t b = 0; b < nb; b++)
 		for (struct kl__entry *e = s->buckets[b]; e != NULL;
 		     e = e->next) {
-			if (++n > count) {
+			if (++n > s->count) {
 				kl__test_report("shard %d: more entries than "
 						"its count %zu (or a cycle)",
-						i, count);
+						i, s->count);
 				return KL_EINVAL;
 			}
 			if (check_entry(t, i, b, e) != KL_OK)
 				rc = KL_EINVAL;
-			/* Both kinds count: a CAS may turn one into the
-			 * other meanwhile, never add to the sum. */
-			st = state_of(e, memory_order_relaxed);
-			if (st == 0 || (st & E_CAS))
-				cas++;
+			if (e->len < INLINE_KEY)
+				short_keys[slot_index(e->hash)]++;
 		}
-	if (cas > SMALL) {
-		kl__test_report("shard %d: %zu entries idle or taken with "
-				"E_CAS, more than %d",
-				i, cas, SMALL);
-		rc = KL_EINVAL;
-	}
-	if (n != count) {
+	if (n != s->count) {
 		kl__test_report("shard %d: %zu entries, count %zu", i, n,
-				count);
+				s->count);
 		rc = KL_EINVAL;
 	}
+	for (unsigned j = 0; j < SLOTS; j++)
+		if (short_keys[j] != s->nchain[j]) {
+			kl__test_report("shard %d: %zu short keys of slot %u "
+					"chained, nchain %u",
+					i, short_keys[j], j,
+					(unsigned)s->nchain[j]);
+			rc = KL_EINVAL;
+		}
 	return rc;
 }
 
@@ -1026,7 +1329,7 @@ kl__table_skew(struct kl__table *t, long delta)
 	struct shard *s = &t->shards[0];
 
 	pthread_mutex_lock(&s->lock);
-	set_count(s, count_of(s) + (size_t)delta);
+	s->count += (size_t)delta;
 	pthread_mutex_unlock(&s->lock);
 }
 /* GCOVR_EXCL_STOP */

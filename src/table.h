@@ -1,10 +1,10 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * The key table: a sharded hash table from key bytes to a wait-queue entry.
- * Entries are made on first use and freed once no holder and no waiter
- * remain, decided under the shard lock that also guards the entry's queue;
- * a small shard leaves a few released ones linked while idle (see table.c),
- * so that a key taken over and over is not rebuilt each time.
+ * A short key lives in one of a few slot entries per shard that are never
+ * freed, so that a key taken over and over is taken and given back without
+ * a lock; other keys live in bucket chains, in entries made on first use
+ * and freed once no holder and no waiter remain (see table.c).
  */
 #ifndef KL_TABLE_H
 #define KL_TABLE_H
@@ -13,33 +13,34 @@
 
 struct kl__table;
 
-/* Only table.c touches an entry's fields but key, fence and lock; they
+/* Only table.c touches an entry's fields but key, state and lock; they
  * are here so that the accessors below are inlined.
  * 56 bytes and the key: with a key of up to 15 bytes an entry is one
  * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
- * kl__entry_lock). */
+ * kl__entry_lock).  A slot entry (see table.c) has the same layout. */
 struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
 	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
 	uint32_t len;           /* key bytes */
-	struct kl__waitq q; /* q.user: the entry's state, E_* in table.c */
-	uint64_t owner_tid; /* kl__thread_id() of the holder */
-	uint64_t fence;     /* the holder's fence */
-	kl_lock *lock;      /* for the holder's use: see kl__entry_lock */
-	char key[];         /* len bytes and a NUL */
+	struct kl__waitq q;
+	/* E_* flags in table.c, and the fence from KL__ENTRY_FENCE_SHIFT */
+	atomic_uint_least64_t state;
+	atomic_uint_least64_t owner_tid; /* kl__thread_id() of the holder */
+	kl_lock *lock; /* for the holder's use: see kl__entry_lock */
+	char key[];    /* len bytes and a NUL */
 };
 
+#define KL__ENTRY_FENCE_SHIFT 6
+
 #define KL__TABLE_SHARDS 64
-/* A shard of at most this many linked entries leaves released entries
- * linked, idle (see table.c): it bounds the idle entries of a shard. */
-#define KL__TABLE_SMALL 8
-/* A shard of more entries is never swept of its idle ones on insert; one
- * that shrinks to it is (see table.c). */
-#define KL__TABLE_SWEEP_MAX (4 * KL__TABLE_SMALL)
+/* Slot entries of a shard: a key of up to 15 bytes lives in the slot its
+ * hash picks while that slot is not held by another key (see table.c). */
+#define KL__TABLE_SLOTS 4
 
 struct kl__table_stats {
 	size_t entries;    /* keys held (waited for only when held) */
-	size_t idle;       /* entries left linked while free */
+	size_t idle;       /* slots that keep a key nobody holds */
+	size_t chained;    /* keys held in bucket chains, not in slots */
 	size_t buckets;    /* buckets over all shards */
 	size_t max_chain;  /* longest bucket chain now */
 	uint64_t lookups;  /* lookups since the table was made */
@@ -74,9 +75,10 @@ kl__entry_key(const struct kl__entry *e)
 }
 
 static inline uint64_t
-kl__entry_fence(const struct kl__entry *e)
+kl__entry_fence(struct kl__entry *e)
 {
-	return e->fence;
+	return atomic_load_explicit(&e->state, memory_order_relaxed) >>
+	       KL__ENTRY_FENCE_SHIFT;
 }
 
 static inline kl_lock **
@@ -109,12 +111,12 @@ KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
 				      size_t len);
 
 #ifdef KL_TEST_HOOKS
-/* Checks every shard of t under its lock: bucket array shape, each entry in
- * its hash's shard and bucket, its hash matching its key, no key twice,
- * every state word valid and consistent with its queue, every fence
- * issued, the count matching the chains, every queue consistent
- * (kl__waitq_check), the stash unlinked and as long as its count.  KL_OK or
- * KL_EINVAL after reporting to stderr. */
+/* Checks every shard of t under its lock: bucket array shape, each chained
+ * entry in its hash's shard and bucket, its hash matching its key, no key
+ * twice (in a chain, or in a chain and its slot), every state word valid
+ * and consistent with its queue, slot marks matching the chained keys of
+ * each slot, the count matching the chains, every queue consistent
+ * (kl__waitq_check).  KL_OK or KL_EINVAL after reporting to stderr. */
 KL_HIDDEN int kl__table_check(struct kl__table *t);
 /* See kl__test_table_skew. */
 KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);

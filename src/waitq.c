@@ -206,7 +206,6 @@ kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
 	q->head = NULL;
 	q->len = 0;
-	atomic_init(&q->user, 0);
 }
 
 bool

@@ -248,7 +248,7 @@ START_TEST(test_entry_reused_sequentially)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-/* Idle entries: a small shard leaves released entries linked          */
+/* Slots: a short key keeps its slot entry while idle                  */
 
 static struct kl__table_stats
 stats_of(struct kl__table *t)
@@ -259,13 +259,15 @@ stats_of(struct kl__table *t)
 	return st;
 }
 
-/* n keys "k<j>" whose hashes in t share the shard of "k0" and, with
- * same_bucket, its bucket in a shard of the minimum 8 buckets. */
+#define SHARD_MASK (63u << 26)
+#define SLOT_MASK (SHARD_MASK | ((KL__TABLE_SLOTS - 1u) << 23))
+
+/* n keys "k<j>" whose hashes in t share the bits of mask with "k0"'s:
+ * SHARD_MASK for one shard, SLOT_MASK for one slot of it. */
 static void
-same_shard_keys(struct kl__table *t, char keys[][24], int n, bool same_bucket)
+keys_like_k0(struct kl__table *t, char keys[][24], int n, uint32_t mask)
 {
 	uint32_t want = kl__table_hash(t, "k0", 2);
-	uint32_t mask = same_bucket ? (63u << 26) | 7u : 63u << 26;
 
 	snprintf(keys[0], 24, "k0");
 	for (int i = 1, j = 1; i < n; j++) {
@@ -274,6 +276,24 @@ same_shard_keys(struct kl__table *t, char keys[][24], int n, bool same_bucket)
 		    (want & mask))
 			i++;
 	}
+}
+
+/* The slots of one shard that keys[0..n-1] (all of that shard) pick. */
+static size_t
+slots_used(struct kl__table *t, char keys[][24], int n)
+{
+	bool used[KL__TABLE_SLOTS] = { false };
+	size_t count = 0;
+
+	for (int i = 0; i < n; i++) {
+		uint32_t h = kl__table_hash(t, keys[i], strlen(keys[i]));
+
+		if (!used[(h >> 23) % KL__TABLE_SLOTS]) {
+			used[(h >> 23) % KL__TABLE_SLOTS] = true;
+			count++;
+		}
+	}
+	return count;
 }
 
 START_TEST(test_idle_entry_reused)
@@ -302,20 +322,21 @@ START_TEST(test_idle_entry_reused)
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_int_eq(other_try(t, "hot", 3, 0), KL_OK);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	kl__table_free(t); /* frees the idle entry: LSan and Valgrind */
+	kl__table_free(t); /* frees the slots: LSan and Valgrind */
 }
 END_TEST
 
-/* A new key takes over an idle entry of its bucket, which then belongs to
- * the new key only. */
-START_TEST(test_idle_entry_taken_over)
+/* A new key takes over the idle slot of its index, which then belongs to
+ * the new key only; the old key, taken while the slot is held, is
+ * chained, and its fences keep growing across both entries. */
+START_TEST(test_idle_slot_taken_over)
 {
 	struct kl__table *t = table_new();
 	char keys[2][24];
-	struct kl__entry *a, *b;
-	uint64_t fa, fb;
+	struct kl__entry *a, *b, *c;
+	uint64_t fa, fb, fc, fd;
 
-	same_shard_keys(t, keys, 2, true);
+	keys_like_k0(t, keys, 2, SLOT_MASK);
 	ck_assert_int_eq(acquire(t, keys[0], strlen(keys[0]), past(), &a,
 				 &fa),
 			 KL_OK);
@@ -329,12 +350,77 @@ START_TEST(test_idle_entry_taken_over)
 	ck_assert_str_eq(kl__entry_key(b), keys[1]);
 	ck_assert_uint_eq(stats_of(t).idle, 0);
 	ck_assert_uint_eq(stats_of(t).entries, 1);
+	ck_assert_uint_eq(stats_of(t).chained, 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	/* keys[0] has no entry now: free, and a new one is made for it. */
-	ck_assert_int_eq(other_try(t, keys[0], strlen(keys[0]), 0), KL_OK);
+	/* keys[0] has no entry now: it is chained while keys[1] holds the
+	 * slot, with a fence past every one it had. */
+	ck_assert_int_eq(acquire(t, keys[0], strlen(keys[0]), past(), &c,
+				 &fc),
+			 KL_OK);
+	ck_assert_ptr_ne(c, a);
+	ck_assert_uint_gt(fc, fa);
+	ck_assert_uint_eq(stats_of(t).chained, 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	ck_assert_int_eq(other_try(t, keys[0], strlen(keys[0]), 0),
+			 KL_ETIMEDOUT);
 	ck_assert_int_eq(other_try(t, keys[1], strlen(keys[1]), 0),
 			 KL_ETIMEDOUT);
+	kl__table_release(t, c);
+	ck_assert_uint_eq(stats_of(t).chained, 0);
 	kl__table_release(t, b);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* Back in the slot, by taking it over from keys[1]. */
+	ck_assert_int_eq(acquire(t, keys[0], strlen(keys[0]), past(), &a,
+				 &fd),
+			 KL_OK);
+	ck_assert_ptr_eq(a, b);
+	ck_assert_uint_gt(fd, fc);
+	kl__table_release(t, a);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
+/* Keys chained behind a held slot keep it marked until the last goes;
+ * then a new key may take the slot again. */
+#define CHAINED_N 5
+
+START_TEST(test_chained_keys_mark_their_slot)
+{
+	struct kl__table *t = table_new();
+	char keys[CHAINED_N + 1][24];
+	struct kl__entry *e[CHAINED_N + 1];
+	uint64_t f[CHAINED_N + 1], again;
+
+	keys_like_k0(t, keys, CHAINED_N + 1, SLOT_MASK);
+	for (int i = 0; i < CHAINED_N; i++)
+		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
+					 &e[i], &f[i]),
+				 KL_OK);
+	ck_assert_uint_eq(stats_of(t).chained, CHAINED_N - 1);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* The slot's holder goes first: its slot stays idle, marked. */
+	kl__table_release(t, e[0]);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
+	for (int i = 1; i < CHAINED_N; i++) {
+		ck_assert_int_eq(kl__table_check(t), KL_OK);
+		kl__table_release(t, e[i]);
+		ck_assert_uint_eq(stats_of(t).chained,
+				  (size_t)(CHAINED_N - 1 - i));
+	}
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* Unmarked now: a new key takes the slot, with a fence past every
+	 * fence a chained key of the slot had. */
+	ck_assert_int_eq(acquire(t, keys[CHAINED_N],
+				 strlen(keys[CHAINED_N]), past(),
+				 &e[CHAINED_N], &again),
+			 KL_OK);
+	ck_assert_ptr_eq(e[CHAINED_N], e[0]);
+	ck_assert_uint_eq(stats_of(t).chained, 0);
+	for (int i = 0; i < CHAINED_N; i++)
+		ck_assert_uint_gt(again, f[i]);
+	kl__table_release(t, e[CHAINED_N]);
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_free(t);
@@ -374,8 +460,8 @@ START_TEST(test_idle_entry_hands_off_in_order)
 }
 END_TEST
 
-/* A waiter that times out leaves its mark on the entry: the next release
- * goes through the lock, finds nobody, and unlinks the entry. */
+/* A waiter that times out leaves its mark on the slot: the next release
+ * goes through the lock, finds nobody, and leaves the slot idle. */
 START_TEST(test_idle_entry_after_waiter_timed_out)
 {
 	struct kl__table *t = table_new();
@@ -391,7 +477,7 @@ START_TEST(test_idle_entry_after_waiter_timed_out)
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_release(t, e);
 	ck_assert_uint_eq(kl__table_size(t), 0);
-	ck_assert_uint_eq(stats_of(t).idle, 0);
+	ck_assert_uint_eq(stats_of(t).idle, 1);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	ck_assert_int_eq(other_try(t, "k", 1, 0), KL_OK);
 	/* And the mark is gone: a fresh holder and waiter work as ever. */
@@ -406,77 +492,53 @@ START_TEST(test_idle_entry_after_waiter_timed_out)
 }
 END_TEST
 
-#define BIG_SHARD (KL__TABLE_SMALL + 4)
+#define BIG_SHARD 40
 
 START_TEST(test_idle_entries_bounded_per_shard)
 {
 	struct kl__table *t = table_new();
 	char (*keys)[24] = malloc(200 * sizeof *keys);
 	struct kl__entry *e[BIG_SHARD];
+	struct kl__table_stats st;
 
 	ck_assert_ptr_nonnull(keys);
-	same_shard_keys(t, keys, 200, false);
+	keys_like_k0(t, keys, 200, SHARD_MASK);
 	for (int i = 0; i < BIG_SHARD; i++)
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
 					 &e[i], NULL),
 				 KL_OK);
-	/* Keys taken once the shard had SMALL entries are unlinked when
-	 * released in a big shard; the first SMALL, taken while it was
-	 * small, are given back by CAS and stay idle. */
-	for (int i = BIG_SHARD - 1; i >= 0; i--) {
-		size_t want = i >= KL__TABLE_SMALL
-				      ? 0
-				      : (size_t)(KL__TABLE_SMALL - i);
-
-		kl__table_release(t, e[i]);
-		ck_assert_uint_eq(stats_of(t).idle, want);
-		ck_assert_uint_eq(stats_of(t).entries, (size_t)i);
-	}
+	st = stats_of(t);
+	ck_assert_uint_eq(st.entries, BIG_SHARD);
+	ck_assert_uint_ge(st.chained, BIG_SHARD - KL__TABLE_SLOTS);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	/* New keys of the shard, one at a time: inserts sweep, so the idle
-	 * entries never pass SMALL. */
+	/* Chained entries go with their key; slots stay, idle. */
+	for (int i = BIG_SHARD - 1; i >= 0; i--) {
+		kl__table_release(t, e[i]);
+		ck_assert_uint_eq(stats_of(t).entries, (size_t)i);
+		ck_assert_uint_le(stats_of(t).idle, KL__TABLE_SLOTS);
+	}
+	st = stats_of(t);
+	ck_assert_uint_eq(st.chained, 0);
+	/* One idle slot for each slot index the keys used. */
+	ck_assert_uint_eq(st.idle, slots_used(t, keys, BIG_SHARD));
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	/* New keys of the shard, one at a time: they take over slots, and
+	 * nothing else stays. */
 	for (int i = BIG_SHARD; i < 200; i++) {
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
 					 &e[0], NULL),
 				 KL_OK);
 		kl__table_release(t, e[0]);
-		ck_assert_uint_le(stats_of(t).idle, KL__TABLE_SMALL);
+		ck_assert_uint_le(stats_of(t).idle, KL__TABLE_SLOTS);
 		ck_assert_uint_eq(kl__table_size(t), 0);
 	}
+	st = stats_of(t);
+	ck_assert_uint_eq(st.chained, 0);
+	ck_assert_uint_eq(st.buckets, 8); /* shrunk back to the minimum */
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	for (int i = 0; i < 200; i++)
 		ck_assert_int_eq(other_try(t, keys[i], strlen(keys[i]), 0),
 				 KL_OK);
-	free(keys);
-	kl__table_free(t);
-}
-END_TEST
-
-/* A big shard whose keys all go: the idle entries its first keys left are
- * swept out as it shrinks, so the table ends with none. */
-#define SHRINKING (KL__TABLE_SWEEP_MAX + 8)
-
-START_TEST(test_idle_entries_swept_as_shard_shrinks)
-{
-	struct kl__table *t = table_new();
-	char (*keys)[24] = malloc(SHRINKING * sizeof *keys);
-	struct kl__entry *e[SHRINKING];
-
-	ck_assert_ptr_nonnull(keys);
-	same_shard_keys(t, keys, SHRINKING, false);
-	for (int i = 0; i < SHRINKING; i++)
-		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
-					 &e[i], NULL),
-				 KL_OK);
-	for (int i = 0; i < SHRINKING; i++) {
-		kl__table_release(t, e[i]);
-		/* The first SMALL were taken in a small shard. */
-		if (i < KL__TABLE_SMALL)
-			ck_assert_uint_eq(stats_of(t).idle, (size_t)i + 1);
-	}
-	ck_assert_uint_eq(kl__table_size(t), 0);
-	ck_assert_uint_eq(stats_of(t).idle, 0);
-	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	free(keys);
 	kl__table_free(t);
 }
@@ -497,10 +559,11 @@ START_TEST(test_idle_entries_bounded_overall)
 	}
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_uint_le(stats_of(t).idle,
-			  (size_t)KL__TABLE_SHARDS * KL__TABLE_SMALL);
+			  (size_t)KL__TABLE_SHARDS * KL__TABLE_SLOTS);
 	ck_assert_uint_gt(stats_of(t).idle, 0);
+	ck_assert_uint_eq(stats_of(t).chained, 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
-	kl__table_free(t); /* frees the idle entries: LSan and Valgrind */
+	kl__table_free(t); /* frees the slots: LSan and Valgrind */
 }
 END_TEST
 
@@ -753,6 +816,7 @@ struct race {
 	int nkeys;
 	long rounds;
 	bool mixed; /* also try once and wait 1 ms: marks left by waiters */
+	const char *keys[RACE_MAX_KEYS];
 	volatile int inside[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	uint64_t last_fence[RACE_MAX_KEYS]; /* plain: guarded by the key */
 	atomic_long violations;
@@ -794,8 +858,8 @@ race_main(void *arg)
 			deadline = past();
 		else if (r->mixed && (x >> 8) % 3 == 1)
 			deadline = in_ms(1);
-		rc = kl__table_acquire(r->t, race_keys[k], 4, deadline, NULL,
-				       0, &e, &fence);
+		rc = kl__table_acquire(r->t, r->keys[k], strlen(r->keys[k]),
+				       deadline, NULL, 0, &e, &fence);
 		/* How many short tries fail depends on the schedule. */
 		if (rc == KL_ETIMEDOUT && deadline < in_ms(2))
 			continue;
@@ -818,19 +882,26 @@ race_main(void *arg)
 	return NULL;
 }
 
+/* With one_slot, the keys share a slot: one sits in it, the others are
+ * chained behind it, and the slot changes keys all the time. */
 static void
-race_run(bool mixed)
+race_run(bool mixed, bool one_slot)
 {
 	struct race_worker w[RACE_THREADS];
 	struct race r;
 	struct kl__table_stats st;
 	long errors, violations, fence_errors;
+	char keys[RACE_MAX_KEYS][24];
 
 	for (int nkeys = mixed ? 1 : 2; nkeys <= RACE_MAX_KEYS; nkeys++) {
 		memset(&r, 0, sizeof r);
 		r.t = table_new();
 		r.nkeys = nkeys;
 		r.mixed = mixed;
+		if (one_slot)
+			keys_like_k0(r.t, keys, RACE_MAX_KEYS, SLOT_MASK);
+		for (int k = 0; k < RACE_MAX_KEYS; k++)
+			r.keys[k] = one_slot ? keys[k] : race_keys[k];
 		r.rounds = kl_test_scaled(100000, 1000);
 		for (int i = 0; i < RACE_THREADS; i++) {
 			w[i].r = &r;
@@ -862,7 +933,7 @@ race_run(bool mixed)
 
 START_TEST(test_last_release_races_acquire)
 {
-	race_run(false);
+	race_run(false, false);
 }
 END_TEST
 
@@ -870,7 +941,17 @@ END_TEST
  * leave marks: still one holder at a time, every fence larger. */
 START_TEST(test_cas_release_races_timeouts)
 {
-	race_run(true);
+	race_run(true, false);
+}
+END_TEST
+
+/* Keys of one slot: lock-free take-overs of the slot race chained inserts
+ * and their removal under the lock, with and without marks left by
+ * waiters.  Still one holder per key, and every fence larger. */
+START_TEST(test_slot_takeover_races_chains)
+{
+	race_run(false, true);
+	race_run(true, true);
 }
 END_TEST
 
@@ -1374,11 +1455,11 @@ table_suite(void)
 	tcase_add_test(tc, test_entry_freed_on_last_release);
 	tcase_add_test(tc, test_entry_reused_sequentially);
 	tcase_add_test(tc, test_idle_entry_reused);
-	tcase_add_test(tc, test_idle_entry_taken_over);
+	tcase_add_test(tc, test_idle_slot_taken_over);
+	tcase_add_test(tc, test_chained_keys_mark_their_slot);
 	tcase_add_test(tc, test_idle_entry_hands_off_in_order);
 	tcase_add_test(tc, test_idle_entry_after_waiter_timed_out);
 	tcase_add_test(tc, test_idle_entries_bounded_per_shard);
-	tcase_add_test(tc, test_idle_entries_swept_as_shard_shrinks);
 	tcase_add_test(tc, test_idle_entries_bounded_overall);
 	suite_add_tcase(s, tc);
 
@@ -1402,6 +1483,7 @@ table_suite(void)
 	tcase_set_timeout(tc, 600);
 	tcase_add_test(tc, test_last_release_races_acquire);
 	tcase_add_test(tc, test_cas_release_races_timeouts);
+	tcase_add_test(tc, test_slot_takeover_races_chains);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("keys");

@@ -9,16 +9,16 @@
  *                is free, else KL_ETIMEDOUT (KL_EDEADLK with op & 4, the
  *                error-check flag); with op & 8, also take up to 63 more
  *                keys (the next byte says how many) that fall in the same
- *                shard, so that shards grow past SMALL and SWEEP_MAX and
- *                get swept;
+ *                shard, so that slots are taken over and keys chained
+ *                behind held slots;
  *   op & 3 == 1  release the held key the next byte picks;
  *   op & 3 == 2  take a key seen before again (the next byte picks it);
  *   op & 3 == 3  check: kl__table_check, the count of held keys, and the
  *                holders and waiters of a key.
  * It also checks that a grant's fence is larger than every earlier fence
  * of its key and that the entry holds the key's bytes.  At the end it
- * releases every key, checks that the table is empty and that at most
- * SMALL idle entries a shard stay, and frees it (LeakSanitizer then
+ * releases every key, checks that the table is empty, that no key stays
+ * chained and at most SLOTS idle slots a shard stay, and frees it (LeakSanitizer then
  * reports any entry left behind).  A failed check aborts, which libFuzzer
  * reports as a crash with the input.
  */
@@ -234,8 +234,8 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		give_back(&r, 0);
 	check(&r, NULL);
 	kl__table_stats(r.t, &st);
-	if (st.entries != 0 ||
-	    st.idle > (size_t)KL__TABLE_SHARDS * KL__TABLE_SMALL)
+	if (st.entries != 0 || st.chained != 0 ||
+	    st.idle > (size_t)KL__TABLE_SHARDS * KL__TABLE_SLOTS)
 		fail("the released table is not empty", NULL, (int)st.idle);
 	kl__table_free(r.t);
 	return 0;
