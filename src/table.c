@@ -10,7 +10,7 @@
  * Slots.  Most keys are short, and most acquires take a key nobody holds.
  * So each shard also has SLOTS slot entries, made with the shard's first
  * short key and never freed while the table lives, and a key of up to 15
- * bytes lives in the slot its hash picks (slot_of) unless another key holds
+ * bytes lives in the slot its hash picks (slot_index) unless another key holds
  * that slot.  A slot keeps its key after release ("idle"), and taking the
  * key again, or giving it back, is one compare-and-swap on the slot's state
  * word, without the shard lock: the memory a lock-free reader looks at is
@@ -37,9 +37,11 @@
  * Lock-free, a slot moves: idle -> held (its key taken again), idle or
  * empty without E_CHAIN -> busy -> held (a new key written in: "stolen"),
  * held without E_WAITERS -> idle (given back).  Everything else changes a
- * slot under the lock by compare-and-swap against the word it validated, so
- * that a decision made on a key read from a slot is void if the slot
- * changed meanwhile: the fence changes with every move.  A waiter sets
+ * slot under the lock, by compare-and-swap against the word it validated
+ * (so that a decision made on a key read from a slot is void if the slot
+ * changed meanwhile: the fence changes with every move), or by a store
+ * where only the lock's holder can change the word: a held slot with
+ * E_WAITERS, released by its holder.  A waiter sets
  * E_WAITERS before it queues, and a marked slot is given back only under
  * the lock, which hands it over in FIFO order.  A reader that finds a slot
  * busy waits for the stealer to finish (a few instructions, unless it was

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Tests of the key table (src/table.h), the internal layer under the memory
- * provider: entries made on first use and freed on last release, strict FIFO
- * per key, independence of keys, fences, try-once deadlines, error-check,
+ * provider: entries made on first use and freed on last release, slots that
+ * short keys take over and give back without the lock, strict FIFO per key,
+ * independence of keys, fences, try-once deadlines, error-check,
  * cancellation, keys of any bytes and length, memory that does not grow with
  * distinct keys, and resistance to keys crafted to collide under an unkeyed
  * hash.  Built with -DKL_TEST_HOOKS -I include -I src: it calls kl__*.
@@ -427,7 +428,7 @@ START_TEST(test_chained_keys_mark_their_slot)
 }
 END_TEST
 
-/* An idle entry taken again, with waiters, must be handed over in order,
+/* An idle slot taken again, with waiters, must be handed over in order,
  * not given back by the holder's compare-and-swap. */
 START_TEST(test_idle_entry_hands_off_in_order)
 {
