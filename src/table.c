@@ -483,6 +483,11 @@ slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
 	atomic_thread_fence(memory_order_acquire);
 	if (state_of(e, memory_order_relaxed) != *st)
 		return -1;
+	/* The acquire in settled: a key given back by CAS and then taken
+	 * under the lock in a chain (its slot taken over meanwhile) must
+	 * see what its last holder wrote, and the slot's word is the only
+	 * thing between them. */
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
 	return has;
 }
 
@@ -510,6 +515,8 @@ slots_of(struct shard *s)
 		KL_ANNOTATE_ATOMIC(&e->len);
 		KL_ANNOTATE_ATOMIC(&slot_words(e)[0]);
 		KL_ANNOTATE_ATOMIC(&slot_words(e)[1]);
+		/* The first taker, maybe lock-free, sees the slot made. */
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	}
 	/* Release: a lock-free reader sees the slots made. */
 	atomic_store_explicit(&s->slots, slots, memory_order_release);
@@ -694,7 +701,11 @@ slot_unchain(struct shard *s, unsigned i, uint64_t f)
 		__atomic_store_n(&s->floor[i], f, __ATOMIC_RELAXED);
 	if (--s->nchain[i] != 0)
 		return;
-	/* Release: a stealer that sees the mark gone sees the floor. */
+	/* Release: a stealer that sees the mark gone sees the floor, and
+	 * what the chained key's last holder (maybe this thread) wrote
+	 * before it gave the key back under the lock, for the stealer may
+	 * take that key without the lock. */
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	st = state_of(e, memory_order_relaxed);
 	while (!atomic_compare_exchange_weak_explicit(
 		&e->state, &st, st & ~(uint64_t)E_CHAIN, memory_order_release,
