@@ -10,11 +10,12 @@
  * Slots.  Most keys are short, and most acquires take a key nobody holds.
  * So each shard also has SLOTS slot entries, made with the shard's first
  * short key and never freed while the table lives, and a key of up to 15
- * bytes lives in the slot its hash picks (slot_index) unless another key holds
- * that slot.  A slot keeps its key after release ("idle"), and taking the
- * key again, or giving it back, is one compare-and-swap on the slot's state
- * word, without the shard lock: the memory a lock-free reader looks at is
- * never freed, and the word says whether what it read still holds.  A key
+ * bytes lives in the slot its hash picks (kl__table_slot_of) unless another
+ * key holds that slot.  A slot keeps its key after release ("idle"), and
+ * taking the key again, or giving it back, is one compare-and-swap on the
+ * slot's state word, without the shard lock: the memory a lock-free reader
+ * looks at is never freed, and the word says whether what it read still
+ * holds.  A key
  * whose slot is held by another key, and every longer key, gets an entry in
  * the shard's bucket chains ("chained"), made on first use and freed when
  * the last holder leaves with nobody waiting, all under the lock.
@@ -83,7 +84,7 @@
 _Static_assert(E_FLAGS < FENCE_ONE, "flags below the fence");
 _Static_assert(SLOT_SIZE % 8 == 0, "slots stay aligned for their words");
 _Static_assert((SLOTS & (SLOTS - 1)) == 0 && SLOTS <= 8,
-	       "slot_index takes up to 3 bits of the hash");
+	       "kl__table_slot_of takes up to 3 bits");
 
 struct shard {
 	pthread_mutex_t lock;
@@ -327,12 +328,6 @@ same_bytes(const char *a, const char *b, size_t len)
 /* ------------------------------------------------------------------ */
 /* Slots */
 
-static inline unsigned
-slot_index(uint32_t h)
-{
-	return (h >> 23) & (SLOTS - 1);
-}
-
 static inline struct kl__entry *
 slot_at(struct kl__entry *slots, unsigned i)
 {
@@ -423,7 +418,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	uint64_t f = fence_of(st), *k = slot_words(e), busy;
 	/* Read after st, which came with acquire order: a floor raised
 	 * before the mark that kept stealers off went is seen. */
-	uint64_t lo = __atomic_load_n(&s->floor[slot_index(h)],
+	uint64_t lo = __atomic_load_n(&s->floor[kl__table_slot_of(h)],
 				      __ATOMIC_RELAXED);
 
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
@@ -538,7 +533,7 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 
 	if (slots == NULL)
 		return false;
-	e = slot_at(slots, slot_index(h));
+	e = slot_at(slots, kl__table_slot_of(h));
 	st = state_of(e, memory_order_acquire);
 	if (st & (E_HELD | E_BUSY))
 		return false;
@@ -720,7 +715,7 @@ unchain(struct shard *s, struct kl__entry *e, uint64_t f)
 {
 	unlink_entry(s, e);
 	if (e->len < INLINE_KEY)
-		slot_unchain(s, slot_index(e->hash), f);
+		slot_unchain(s, kl__table_slot_of(e->hash), f);
 	else if (s->fence < f)
 		s->fence = f;
 }
@@ -740,7 +735,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 {
 	struct kl__entry *slots, *e, *c;
 	uint64_t w[2], f;
-	unsigned i = slot_index(h);
+	unsigned i = kl__table_slot_of(h);
 	size_t chain;
 	int rc, has;
 
@@ -1021,8 +1016,7 @@ count_entries(struct shard *s, size_t *held, size_t *idle, size_t *chained)
 		atomic_load_explicit(&s->slots, memory_order_relaxed);
 
 	*held += s->count; /* a chained entry is always held */
-	if (chained != NULL)
-		*chained += s->count;
+	*chained += s->count;
 	for (unsigned i = 0; slots != NULL && i < SLOTS; i++) {
 		uint64_t st = state_of(slot_at(slots, i),
 				       memory_order_relaxed);
@@ -1086,7 +1080,7 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	pthread_mutex_lock(&s->lock);
 	slots = atomic_load_explicit(&s->slots, memory_order_relaxed);
 	if (len < INLINE_KEY && slots != NULL) {
-		e = slot_at(slots, slot_index(h));
+		e = slot_at(slots, kl__table_slot_of(h));
 		key_words(key, len, w);
 		while ((has = slot_read(e, h, len, w, &st)) < 0)
 			;
@@ -1201,7 +1195,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 					i, shown);
 			return KL_EINVAL;
 		}
-		slot = slot_at(slots, slot_index(e->hash));
+		slot = slot_at(slots, kl__table_slot_of(e->hash));
 		st = settled(slot);
 		key_words(e->key, e->len, w);
 		if (!(st & E_CHAIN) ||
@@ -1245,7 +1239,7 @@ check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 	} else {
 		key_words(key, len < INLINE_KEY ? len : 0, w);
 		bad = len >= INLINE_KEY || w[0] != k[0] || w[1] != k[1] ||
-		      shard_of(t, h) != s || slot_index(h) != j ||
+		      shard_of(t, h) != s || kl__table_slot_of(h) != j ||
 		      hash_of(t, key, len) != h || fence_of(st) == 0 ||
 		      (!(st & E_HELD) && (st & E_WAITERS)) ||
 		      (qlen > 0 && !(st & E_WAITERS));
@@ -1302,7 +1296,7 @@ check_shard(struct kl__table *t, int i)
 			if (check_entry(t, i, b, e) != KL_OK)
 				rc = KL_EINVAL;
 			if (e->len < INLINE_KEY)
-				short_keys[slot_index(e->hash)]++;
+				short_keys[kl__table_slot_of(e->hash)]++;
 		}
 	if (n != s->count) {
 		kl__test_report("shard %d: %zu entries, count %zu", i, n,

@@ -37,6 +37,14 @@ struct kl__entry {
  * hash picks while that slot is not held by another key (see table.c). */
 #define KL__TABLE_SLOTS 4
 
+/* The slot of a key with hash h (kl__table_hash) in its shard: the bits
+ * below the shard's. */
+static inline unsigned
+kl__table_slot_of(uint32_t h)
+{
+	return (h >> 23) & (KL__TABLE_SLOTS - 1);
+}
+
 struct kl__table_stats {
 	size_t entries;    /* keys held (waited for only when held) */
 	size_t idle;       /* slots that keep a key nobody holds */
@@ -100,7 +108,8 @@ KL_HIDDEN size_t kl__table_size(struct kl__table *t);
 KL_HIDDEN void kl__table_stats(struct kl__table *t,
 			       struct kl__table_stats *out);
 /* The 32 bits of key's hash that t keeps: the top 6 pick the shard, the
- * low ones the bucket (for tests that fill one shard or bucket). */
+ * next ones the slot (kl__table_slot_of), the low ones the bucket (for
+ * tests that fill one shard, slot or bucket). */
 KL_HIDDEN uint32_t kl__table_hash(const struct kl__table *t, const char *key,
 				  size_t len);
 /* Holders (0 or 1) and waiters of key. */

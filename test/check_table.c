@@ -260,21 +260,22 @@ stats_of(struct kl__table *t)
 	return st;
 }
 
-#define SHARD_MASK (63u << 26)
-#define SLOT_MASK (SHARD_MASK | ((KL__TABLE_SLOTS - 1u) << 23))
-
-/* n keys "k<j>" whose hashes in t share the bits of mask with "k0"'s:
- * SHARD_MASK for one shard, SLOT_MASK for one slot of it. */
+/* n keys "k<j>" whose hashes in t pick the shard of "k0" and, with
+ * same_slot, its slot too. */
 static void
-keys_like_k0(struct kl__table *t, char keys[][24], int n, uint32_t mask)
+keys_like_k0(struct kl__table *t, char keys[][24], int n, bool same_slot)
 {
 	uint32_t want = kl__table_hash(t, "k0", 2);
 
 	snprintf(keys[0], 24, "k0");
 	for (int i = 1, j = 1; i < n; j++) {
+		uint32_t h;
+
 		snprintf(keys[i], 24, "k%d", j);
-		if ((kl__table_hash(t, keys[i], strlen(keys[i])) & mask) ==
-		    (want & mask))
+		h = kl__table_hash(t, keys[i], strlen(keys[i]));
+		if (h >> 26 == want >> 26 &&
+		    (!same_slot ||
+		     kl__table_slot_of(h) == kl__table_slot_of(want)))
 			i++;
 	}
 }
@@ -289,8 +290,8 @@ slots_used(struct kl__table *t, char keys[][24], int n)
 	for (int i = 0; i < n; i++) {
 		uint32_t h = kl__table_hash(t, keys[i], strlen(keys[i]));
 
-		if (!used[(h >> 23) % KL__TABLE_SLOTS]) {
-			used[(h >> 23) % KL__TABLE_SLOTS] = true;
+		if (!used[kl__table_slot_of(h)]) {
+			used[kl__table_slot_of(h)] = true;
 			count++;
 		}
 	}
@@ -337,7 +338,7 @@ START_TEST(test_idle_slot_taken_over)
 	struct kl__entry *a, *b, *c;
 	uint64_t fa, fb, fc, fd;
 
-	keys_like_k0(t, keys, 2, SLOT_MASK);
+	keys_like_k0(t, keys, 2, true);
 	ck_assert_int_eq(acquire(t, keys[0], strlen(keys[0]), past(), &a,
 				 &fa),
 			 KL_OK);
@@ -394,7 +395,7 @@ START_TEST(test_chained_keys_mark_their_slot)
 	struct kl__entry *e[CHAINED_N + 1];
 	uint64_t f[CHAINED_N + 1], again;
 
-	keys_like_k0(t, keys, CHAINED_N + 1, SLOT_MASK);
+	keys_like_k0(t, keys, CHAINED_N + 1, true);
 	for (int i = 0; i < CHAINED_N; i++)
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
 					 &e[i], &f[i]),
@@ -503,7 +504,7 @@ START_TEST(test_idle_entries_bounded_per_shard)
 	struct kl__table_stats st;
 
 	ck_assert_ptr_nonnull(keys);
-	keys_like_k0(t, keys, 200, SHARD_MASK);
+	keys_like_k0(t, keys, 200, false);
 	for (int i = 0; i < BIG_SHARD; i++)
 		ck_assert_int_eq(acquire(t, keys[i], strlen(keys[i]), past(),
 					 &e[i], NULL),
@@ -900,7 +901,7 @@ race_run(bool mixed, bool one_slot)
 		r.nkeys = nkeys;
 		r.mixed = mixed;
 		if (one_slot)
-			keys_like_k0(r.t, keys, RACE_MAX_KEYS, SLOT_MASK);
+			keys_like_k0(r.t, keys, RACE_MAX_KEYS, true);
 		for (int k = 0; k < RACE_MAX_KEYS; k++)
 			r.keys[k] = one_slot ? keys[k] : race_keys[k];
 		r.rounds = kl_test_scaled(100000, 1000);

@@ -18,9 +18,9 @@
  * It also checks that a grant's fence is larger than every earlier fence
  * of its key and that the entry holds the key's bytes.  At the end it
  * releases every key, checks that the table is empty, that no key stays
- * chained and at most SLOTS idle slots a shard stay, and frees it (LeakSanitizer then
- * reports any entry left behind).  A failed check aborts, which libFuzzer
- * reports as a crash with the input.
+ * chained and at most SLOTS idle slots a shard stay, and frees it
+ * (LeakSanitizer then reports any entry left behind).  A failed check
+ * aborts, which libFuzzer reports as a crash with the input.
  */
 #include "config.h"
 
