@@ -184,6 +184,10 @@ KL_HIDDEN void kl__waiter_finish(struct kl__waiter *w);
  * may set the waiter's data, then must call kl__waiter_settle(w) before it
  * drops the lock and kl__unpark() with its result after. */
 KL_HIDDEN struct kl__waiter *kl__waitq_grant_head(struct kl__waitq *q);
+/* After a grant: wakes the new head early if it is parked, so that it spins
+ * by the time its own grant comes.  Lock held.  Returns what to kl__unpark
+ * after dropping it, besides the granted waiter's wake-up. */
+KL_HIDDEN void *kl__waitq_prod(struct kl__waitq *q);
 /* Publishes w's outcome to it.  Lock held.  Returns what kl__unpark needs
  * to wake it (NULL when it is not parked), to be called after the lock is
  * dropped: waking outside the lock spares the woken thread a collision. */
@@ -302,6 +306,11 @@ KL_API int kl__test_mutex_check(kl_mutex *m);
  * can see the checker notice, then repair it with -delta.  Only while no
  * other thread uses p. */
 KL_API void kl__test_table_skew(kl_provider *p, long delta);
+/* Threads parked on their word now (counted from the CAS to parked until
+ * the futex wait returns), and prods made (kl__waitq_prod) since the start
+ * of the process: a test waits for its waiters to park, then counts. */
+KL_API long kl__test_parked(void);
+KL_API long kl__test_prods(void);
 /* Prints "keylock: invariant broken: " and the message to stderr. */
 KL_HIDDEN void kl__test_report(const char *fmt, ...)
 	__attribute__((format(printf, 1, 2)));

@@ -217,9 +217,10 @@ take_or_mark(kl_mutex *m, uint64_t id)
 
 /* Gives up ownership, which the caller had, to the head waiter: a direct
  * hand-off, or (eventual, head not starving) a wake-up to compete.  Lock
- * held.  Returns what to kl__unpark after dropping it. */
+ * held.  Returns what to kl__unpark after dropping it, and in *prod the
+ * new head's early wake-up after a direct hand-off (kl__waitq_prod). */
 static void *
-pass_on(kl_mutex *m)
+pass_on(kl_mutex *m, void **prod)
 {
 	struct kl__waiter *w = kl__waitq_grant_head(&m->q);
 	uint64_t queued = m->q.len != 0 ? QUEUED : 0;
@@ -241,6 +242,7 @@ pass_on(kl_mutex *m)
 				      (w->data << OWNER_SHIFT) | queued,
 				      memory_order_release);
 		m->owner_tid = w->tid;
+		*prod = kl__waitq_prod(&m->q);
 	}
 	return kl__waiter_settle(w);
 }
@@ -252,7 +254,7 @@ static int
 compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
 	int64_t deadline, uint64_t aborts)
 {
-	void *wake = NULL;
+	void *wake = NULL, *prod = NULL;
 
 	pthread_mutex_lock(&m->lock);
 	/* Cancelled or aborted on the way: once kl_cancel_fire or the
@@ -265,9 +267,10 @@ compete(kl_mutex *m, struct kl__waiter *w, uint64_t id, kl_cancel *c,
 		 * caller never sees this ownership: it is passed on at once.
 		 * Either way take_or_mark clears WOKEN. */
 		if (take_or_mark(m, id) == KL_OK)
-			wake = pass_on(m);
+			wake = pass_on(m, &prod);
 		pthread_mutex_unlock(&m->lock);
 		kl__unpark(wake);
+		kl__unpark(prod);
 		return KL_ECANCELED;
 	}
 	if (take_or_mark(m, id) == KL_OK) {
@@ -359,7 +362,7 @@ int
 kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 {
 	uint64_t expected;
-	void *wake = NULL;
+	void *wake = NULL, *prod = NULL;
 
 	if (m == NULL || t.id == 0 || t.id > UINT64_MAX >> OWNER_SHIFT)
 		return KL_EINVAL;
@@ -387,9 +390,10 @@ kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 		kl__waitq_fail_all(&m->q, KL_ECANCELED);
 		m->aborts++;
 	}
-	wake = pass_on(m);
+	wake = pass_on(m, &prod);
 	pthread_mutex_unlock(&m->lock);
 	kl__unpark(wake);
+	kl__unpark(prod);
 	return KL_OK;
 }
 

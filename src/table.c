@@ -942,7 +942,7 @@ static __attribute__((noinline)) void
 release_locked(struct shard *s, struct kl__entry *e)
 {
 	struct kl__waiter *w;
-	void *wake = NULL;
+	void *wake = NULL, *prod = NULL;
 	uint64_t st, f;
 
 	pthread_mutex_lock(&s->lock);
@@ -962,6 +962,7 @@ release_locked(struct shard *s, struct kl__entry *e)
 				(e->q.len != 0 ? E_WAITERS : 0),
 			memory_order_relaxed);
 		wake = kl__waiter_settle(w);
+		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
@@ -976,6 +977,7 @@ release_locked(struct shard *s, struct kl__entry *e)
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
 	kl__unpark(wake);
+	kl__unpark(prod);
 	kl__free(e);
 }
 

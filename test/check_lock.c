@@ -23,6 +23,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "keylock.h"
 #include "util.h"
@@ -449,6 +450,44 @@ START_TEST(test_grants_in_arrival_order)
 	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
 	kl_lock_free(l);
 	kl_lock_free(callers);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A grant wakes a parked new head at once (a prod, see the mutex suite):
+ * three parked waiters, two prods, the first before release returns. */
+START_TEST(test_grant_prods_parked_new_head)
+{
+	enum { N = 3 };
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "prod", KL_FOREVER, 0, NULL, NULL);
+	bool cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1;
+	struct lw w[N];
+	kl_lease *lease = NULL;
+	atomic_int next = 0;
+	long prods;
+
+	memset(w, 0, sizeof w);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	for (int i = 0; i < N; i++) {
+		w[i].next_seq = &next;
+		lw_start(&w[i], l, NULL, NULL);
+		wait_queue(p, "prod", (size_t)i + 1);
+	}
+	test_wait_parked(N);
+	prods = test_prods();
+	kl_lease_release(lease);
+	/* At least: the first waiter may have released already. */
+	ck_assert_int_ge(test_prods(), prods + (cpus ? 1 : 0));
+	for (int i = 0; i < N; i++)
+		lw_join(&w[i]);
+	ck_assert_int_eq(test_prods(), prods + (cpus ? 2 : 0));
+	for (int i = 0; i < N; i++) {
+		ck_assert_int_eq(w[i].rc, KL_OK);
+		ck_assert_int_eq(w[i].seq, i);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1313,6 +1352,7 @@ lock_suite(void)
 	tc = tcase_create("order");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_grants_in_arrival_order);
+	tcase_add_test(tc, test_grant_prods_parked_new_head);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("timeout_cancel");

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "keylock.h"
 #include "util.h"
@@ -655,6 +656,41 @@ START_TEST(test_direct_hand_off)
 	tw_join_all(g);
 	for (int i = 0; i < N; i++)
 		ck_assert_int_eq(g->w[i].seq, i);
+	assert_free(m);
+	tw_free(g);
+	kl_mutex_free(m);
+}
+END_TEST
+
+/* Each grant wakes the new head at once when it was parked (a prod), so
+ * that it runs by the time its own grant comes; the last grant leaves no
+ * head to prod.  Exact counts: the prods happen under the mutex's lock
+ * before each leave returns, and a parked waiter's word stays parked. */
+START_TEST(test_grant_prods_parked_new_head)
+{
+	enum { N = 3 };
+	kl_token held;
+	kl_mutex *m = new_held_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, &held);
+	struct tw_group *g = tw_mutex(m, false);
+	bool cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1;
+	long prods;
+
+	tw_start_n_queued(g, N, KL_FOREVER, NULL);
+	test_wait_parked(N);
+	prods = test_prods();
+	ck_assert_int_eq(kl_mutex_leave(m, held, false), KL_OK);
+	/* One CPU: nothing to gain, no prod. */
+	ck_assert_int_eq(test_prods(), prods + (cpus ? 1 : 0));
+	ck_assert_int_eq(tw_pass(g), 0);
+	ck_assert_int_eq(test_prods(), prods + (cpus ? 2 : 0));
+	ck_assert_int_eq(tw_pass(g), 1);
+	ck_assert_int_eq(tw_pass(g), 2);
+	ck_assert_int_eq(test_prods(), prods + (cpus ? 2 : 0));
+	tw_join_all(g);
+	for (int i = 0; i < N; i++) {
+		ck_assert_int_eq(g->w[i].status, KL_OK);
+		ck_assert_int_eq(g->w[i].seq, i);
+	}
 	assert_free(m);
 	tw_free(g);
 	kl_mutex_free(m);
@@ -1747,6 +1783,7 @@ mutex_suite(void)
 	tcase_add_test(tc, test_fifo_grant_order);
 	tcase_add_test(tc, test_fifo_long_queues);
 	tcase_add_test(tc, test_direct_hand_off);
+	tcase_add_test(tc, test_grant_prods_parked_new_head);
 	tcase_add_test(tc, test_timed_out_waiter_leaves_queue);
 	tcase_add_test(tc, test_timeout_not_early);
 	tcase_add_test(tc, test_leave_abort_pending);

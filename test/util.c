@@ -10,6 +10,7 @@
 #include "config.h"
 #endif
 
+#include "internal.h"
 #include "util.h"
 
 #include <check.h>
@@ -189,6 +190,26 @@ test_wait_mutex_queue(kl_mutex *m, size_t n)
 	test_poll(queue_is, &c, "the mutex queue size");
 	ck_assert_uint_eq(kl_mutex_queue_size(m), n);
 }
+
+#ifdef KL_TEST_HOOKS /* the provider suites link the installed library */
+static bool
+parked_at_least(void *arg)
+{
+	return kl__test_parked() >= *(const long *)arg;
+}
+
+void
+test_wait_parked(long n)
+{
+	test_poll(parked_at_least, &n, "waiters to park");
+}
+
+long
+test_prods(void)
+{
+	return kl__test_prods();
+}
+#endif
 
 void
 test_wait_event_queue(kl_reset_event *e, size_t n)

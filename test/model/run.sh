@@ -55,6 +55,9 @@ CHECKS=(
 	# hand-off that forgets the wake (a waiter asleep for ever).
 	"mutant-cancel|fail|safety|waitq_mutant.pml|-DMUTEX -DMAXQ=255 -DADMIN=-1"
 	"mutant-nowake|fail|safety|waitq.pml|-DMUTEX -DMUTANT_NOWAKE -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
+	# A hand-off that prods the new head (wakes it early to spin) but
+	# forgets that wake-up, which the new head's own grant leaves to it.
+	"mutant-noprod|fail|safety|waitq.pml|-DMUTEX -DMUTANT_NOPROD -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
 	# The code before d91638b: a call takes a free mutex or a signaled
 	# event after its token fired (DESIGN: "once kl_cancel_fire has
 	# returned, no later grant goes to a waiter using that token").

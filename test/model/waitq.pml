@@ -14,6 +14,9 @@
  *   MUTANT           a cancel overrides a grant that already happened
  *                    (waitq_mutant.pml): the checks must fail
  *   MUTANT_NOWAKE    a hand-off that forgets to wake the new owner
+ *   MUTANT_NOPROD    a hand-off that prods the new head (marks it PRODDED)
+ *                    but forgets to wake it, while its own grant leaves the
+ *                    wake-up of a PRODDED waiter to the prodder
  *   MUTANT_CANCEL_TAKE  enter/wait takes a free object without looking
  *                    whether its token fired since it registered (the code
  *                    before commit d91638b)
@@ -44,8 +47,10 @@
  * Not modelled: KL_EVENTUAL (barging, KL__RETRY, compete), KL_ERRORCHECK,
  * timeout 0 (try_enter), tokens made by kl_cancel_new_timeout, the key
  * table (which uses this queue under its shard locks), the spin before
- * parking (it only delays the CAS to PARKED), memory order (the C11 orders
- * are TSan's to judge).
+ * parking (it only delays the CAS to PARKED) and after a prod (it only
+ * delays the next CAS), memory order (the C11 orders are TSan's to judge).
+ * The prod is modelled: a leave that hands the mutex over marks a parked
+ * new head PRODDED and wakes it after the unlock.
  *
  * Assertions:
  * - at most one owner, and a client's result agrees with ownership
@@ -102,6 +107,7 @@
 #define AWAKE 0
 #define SETTLED 1
 #define PARKED 2
+#define PRODDED 3
 
 #define OV_THIS 0
 #define OV_FIRST 1
@@ -196,6 +202,18 @@ inline unlink(w)
 inline settle(w, old)
 {
 	atomic { old = word[w]; word[w] = SETTLED }
+}
+
+/* kl__waitq_prod: after a grant, a parked new head is marked PRODDED, to
+ * be woken (pg) after the unlock.  Queue lock held. */
+inline prod(pg)
+{
+	if
+	:: qlen > 0 && word[q[0]] == PARKED ->
+		word[q[0]] = PRODDED;
+		pg = q[0]
+	:: else -> pg = 0
+	fi
 }
 
 /* kl__unpark: FUTEX_WAKE. */
@@ -332,6 +350,13 @@ inline waitq_park(me)
 		:: atomic { sleeping[me] -> sleeping[me] = false }
 #endif
 		fi;
+		/* Prodded: back to AWAKE (then spins, which the model skips). */
+		atomic {
+			if
+			:: word[me] == PRODDED -> word[me] = AWAKE
+			:: else -> skip
+			fi
+		};
 		/* Never early: a timeout only once the deadline has passed. */
 		if
 		:: word[me] != SETTLED && expired[me] ->
@@ -546,7 +571,7 @@ proctype admin(byte lim)
 
 proctype client(byte me)
 {
-	byte rc = EPENDING, old, w, g, i;
+	byte rc = EPENDING, old, w, g, i, pg;
 	bool took, abort;
 
 	/* kl_mutex_enter: a token fired before the call */
@@ -635,7 +660,8 @@ entered:
 					:: qlen != 0 -> mstate = g * 2 | 1
 					:: else -> mstate = g * 2
 					fi;
-					settle(g, old)
+					settle(g, old);
+					prod(pg)
 				:: else -> mstate = 0
 				fi;
 				unlock(qlock)
@@ -645,7 +671,19 @@ entered:
 			old = 0; /* the bug: the hand-off forgets the wake */
 #endif
 			unpark(g, old);
-			g = 0
+			g = 0;
+			/* and the prodded new head's */
+			if
+			:: pg != 0 ->
+#ifdef MUTANT_NOPROD
+				old = 0; /* the bug: the prod forgets the wake */
+#else
+				old = PARKED;
+#endif
+				unpark(pg, old);
+				pg = 0
+			:: else -> skip
+			fi
 		:: else -> skip
 		fi
 	:: else -> skip
