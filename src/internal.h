@@ -121,7 +121,7 @@ struct kl__waiter {
 	struct kl__waiter *next, *prev; /* queue links */
 	struct kl__waitq *q;            /* valid while WAITING */
 	pthread_mutex_t *lock;          /* the queue's lock */
-	atomic_uint word;  /* 0 awake, 2 parked, 1 outcome published */
+	atomic_uint word;  /* 0 awake, 2 parked, 3 prodded, 1 published */
 	int state;         /* enum kl__wstate */
 	int status;        /* with KL_W_DONE */
 	bool spin;         /* may spin before parking */

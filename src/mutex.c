@@ -3,8 +3,9 @@
  * kl_mutex (AsyncLock): one lock owned by a token, over a wait queue.
  *
  * m->state holds the owner's token id shifted left by two (0: free) and, in
- * bit 0, "someone may be queued" (bit 1 is for KL_EVENTUAL, below).  Without that bit, enter and leave are one
- * compare-and-swap each and never touch m->lock.  A thread that must queue
+ * bit 0, "someone may be queued" (bit 1 is for KL_EVENTUAL, below).
+ * Without that bit, enter and leave are one compare-and-swap each and
+ * never touch m->lock.  A thread that must queue
  * sets the bit under m->lock before it queues, so a holder that leaves
  * afterwards fails its fast-path CAS and takes the slow path, where it hands
  * the mutex straight to the head waiter by writing that waiter's id into
@@ -18,8 +19,9 @@
  * mutex first (barging) and the lock changes owner without a sleep and a
  * wake-up in between.  While a woken waiter is on its way (WOKEN), leaves
  * wake nobody else and stay on the fast path; the woken waiter clears the
- * bit in the same CAS that takes the mutex or marks it QUEUED again.  A head waiter
- * that has waited STARVE_NS gets a direct hand-off, which bounds every wait.
+ * bit in the same CAS that takes the mutex or marks it QUEUED again.  A
+ * head waiter that has waited STARVE_NS gets a direct hand-off, which
+ * bounds every wait.
  * A woken waiter that loses goes back to the head of the queue.  In this
  * mode "free" is any state whose owner bits are 0.  The flag is fixed at
  * creation.

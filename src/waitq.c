@@ -16,11 +16,12 @@
  *
  * The parking word: 0 while the waiter is awake, 2 once it has announced it
  * sleeps, 3 when it was woken early to spin as the new head (see
- * kl__waitq_prod), 1 when its outcome is published.  The settler writes the outcome
- * fields, then exchanges 1 into the word with release order; the waiter
- * reads the fields only after loading 1 with acquire order, so it needs the
- * lock no more, and the settler never touches the waiter after the exchange
- * except to wake it, and only when the old value says it sleeps.  Waking a
+ * kl__waitq_prod), 1 when its outcome is published.  The settler writes
+ * the outcome fields, then exchanges 1 into the word with release order;
+ * the waiter reads the fields only after loading 1 with acquire order, so
+ * it needs the lock no more, and the settler never touches the waiter after
+ * the exchange except to wake it, and only when the old value says it
+ * sleeps (a prodded one is its prodder's to wake).  Waking a
  * futex word whose frame has since returned is harmless: a private futex
  * wake only names an address, and every parker re-checks its word.
  *
@@ -514,8 +515,9 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
  * VM, 12 to 14 us: 4 threads on one key ran at the FIFO baseline's rate,
  * 70,000 grants a second, whether the section was empty or not).  Woken
  * one grant early, the head overlaps its wake-up with the section and the
- * hand-off before it.  It costs no extra system call per grant: the grant
- * to a spinning head needs no wake-up.
+ * hand-off before it.  It seldom costs an extra system call: the grant to
+ * a spinning head needs no wake-up (only a head whose spin ran out before
+ * its grant is woken twice).
  */
 void *
 kl__waitq_prod(struct kl__waitq *q)
@@ -525,8 +527,9 @@ kl__waitq_prod(struct kl__waitq *q)
 
 	if (h == NULL || ncpu() < 2)
 		return NULL;
-	/* Only a parked head: one that is awake is running already.  Its
-	 * grant then finds W_PRODDED and leaves the wake-up to us. */
+	/* Only a parked head: one that is awake is running already.  A
+	 * grant that comes before the prodded head wakes finds W_PRODDED
+	 * and leaves the wake-up to us. */
 	if (atomic_compare_exchange_strong_explicit(&h->word, &parked,
 						    W_PRODDED,
 						    memory_order_relaxed,
