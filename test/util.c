@@ -198,6 +198,12 @@ parked_at_least(void *arg)
 	return kl__test_parked() >= *(const long *)arg;
 }
 
+long
+test_parked(void)
+{
+	return kl__test_parked();
+}
+
 void
 test_wait_parked(long n)
 {

@@ -69,9 +69,10 @@ int tev_wait(struct test_events *e, kl_event_type t, int64_t limit_ms);
 void test_wait_mutex_queue(kl_mutex *m, size_t n);
 void test_wait_event_queue(kl_reset_event *e, size_t n);
 
-/* The wait queue's counters (kl__test_parked, kl__test_prods): polls until
- * at least n threads are parked on their words; prods made so far.  Test
- * build only (KL_TEST_HOOKS). */
+/* The wait queue's counters (kl__test_parked, kl__test_prods): threads
+ * parked on their words now; polls until at least n are; prods made so
+ * far.  Test build only (KL_TEST_HOOKS). */
+long test_parked(void);
 void test_wait_parked(long n);
 long test_prods(void);
 
