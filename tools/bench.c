@@ -1213,8 +1213,8 @@ struct crun {
  * Throughput and fairness count only the window after every thread has
  * taken the lock once, and the window lasts --duration.  Before it the
  * figures measure how soon the scheduler first runs each new thread: on 2
- * CPUs the last of 8 threads could start 4 to 12 ms after the first, while
- * the others took the lock thousands of times among themselves, and even
+ * CPUs the last of 8 threads could start 3 to 7 ms after the first, while
+ * the others took the lock hundreds of times among themselves, and even
  * the FIFO baseline then scored max/min 1.1 to 1.6 though within the
  * window every thread had the same count.  The from-start figure is still
  * reported (JSON) beside it.
