@@ -476,8 +476,9 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			    &w->word, &awake, W_AWAKE, memory_order_acquire,
 			    memory_order_acquire)) {
 			/* Now the head: spin as one, yielding first in a
-			 * crowd like a waiter that queued as the head. */
-			if (crowd)
+			 * crowd like a waiter that queued as the head.  The
+			 * crowd is counted again: this wait may be old. */
+			if (crowded(w->tid))
 				sched_yield();
 			spin(w);
 		}

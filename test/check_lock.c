@@ -236,6 +236,18 @@ lw_join(struct lw *w)
 	test_thread_join(w->th);
 }
 
+/* Joins w[0..n-1], which must all have run, granted in index order. */
+static void
+lw_join_in_order(struct lw *w, int n)
+{
+	for (int i = 0; i < n; i++)
+		lw_join(&w[i]);
+	for (int i = 0; i < n; i++) {
+		ck_assert_int_eq(w[i].rc, KL_OK);
+		ck_assert_int_eq(w[i].seq, i);
+	}
+}
+
 /* ------------------------------------------------------------------ */
 /* Keys                                                                */
 
@@ -441,12 +453,7 @@ START_TEST(test_grants_in_arrival_order)
 	}
 	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
 	kl_lease_release(lease);
-	for (int i = 0; i < FIFO_N; i++)
-		lw_join(&w[i]);
-	for (int i = 0; i < FIFO_N; i++) {
-		ck_assert_int_eq(w[i].rc, KL_OK);
-		ck_assert_int_eq(w[i].seq, i);
-	}
+	lw_join_in_order(w, FIFO_N);
 	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
 	kl_lock_free(l);
 	kl_lock_free(callers);
@@ -481,13 +488,8 @@ START_TEST(test_grant_prods_parked_new_head)
 	kl_lease_release(lease);
 	/* At least: the first waiter may have released already. */
 	ck_assert_int_ge(test_prods(), prods + (cpus ? 1 : 0));
-	for (int i = 0; i < N; i++)
-		lw_join(&w[i]);
+	lw_join_in_order(w, N);
 	ck_assert_int_eq(test_prods(), prods + (cpus ? 2 : 0));
-	for (int i = 0; i < N; i++) {
-		ck_assert_int_eq(w[i].rc, KL_OK);
-		ck_assert_int_eq(w[i].seq, i);
-	}
 	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
 	kl_lock_free(l);
 	kl_provider_free(p);

@@ -1129,8 +1129,7 @@ struct cworker {
 	pthread_t tid;
 	int id;
 	uint64_t ops;
-	uint64_t base; /* acquisitions before the window */
-	bool counted;
+	uint64_t base; /* acquisitions before the window, 0 until it opens */
 	int64_t end_ns;
 	struct csample c0, c1;
 	struct hist h;
@@ -1181,11 +1180,9 @@ cworker_main(void *arg)
 			atomic_store_explicit(&sh->counting, true,
 					      memory_order_release);
 		}
-		if (!w->counted && atomic_load_explicit(&sh->counting,
-							memory_order_relaxed)) {
+		if (w->base == 0 && atomic_load_explicit(&sh->counting,
+							 memory_order_relaxed))
 			w->base = i + 1;
-			w->counted = true;
-		}
 		spin_for(sh->work_out);
 	}
 	w->ops = i;
@@ -1228,6 +1225,7 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	uint64_t min = UINT64_MAX, max = 0, amin = UINT64_MAX, amax = 0;
 	uint64_t wops = 0;
 	int64_t go_ns, from_ns, end_ns = 0;
+	bool windowed;
 	int rc;
 
 	memset(&sh, 0, sizeof sh);
@@ -1268,13 +1266,14 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	for (int i = 0; i < nthreads; i++)
 		pthread_join(w[i].tid, NULL);
 	/* After the joins: every worker's writes are visible. */
-	from_ns = atomic_load(&sh.counting) ? sh.window_ns : go_ns;
+	windowed = atomic_load(&sh.counting);
+	from_ns = windowed ? sh.window_ns : go_ns;
 	for (int i = 0; i < nthreads; i++) {
 		/* A thread that never saw the window open took nothing in
 		 * it. */
-		uint64_t n = !atomic_load(&sh.counting) ? w[i].ops
-			     : w[i].counted        ? w[i].ops - w[i].base
-						   : 0;
+		uint64_t n = !windowed ? w[i].ops
+			     : w[i].base != 0 ? w[i].ops - w[i].base
+					      : 0;
 		wops += n;
 		if (n < min)
 			min = n;
