@@ -17,9 +17,9 @@
  * Leases: a provider thread renews every held lease at a third of its ttl
  * with a compare-and-PEXPIRE script.  A lease is lost when a renewal finds
  * the key gone or taken, when no renewal succeeded before the lease would
- * have expired, or when the server restarted without durable persistence
- * (its INFO run_id changed); the thread then calls the lease's watch
- * callback once, with no lock held.
+ * have expired, or when the server restarted (its INFO run_id changed) and
+ * the restart marker shows that locks may be missing; the thread then
+ * calls the lease's watch callback once, with no lock held.
  *
  * Restarts: a server that lost data (a restart from a snapshot, a wiped
  * data directory, a fresh server that cannot be told from one) may lack
@@ -268,11 +268,13 @@ static int64_t cmd_deadline(const struct redis *r, int64_t wait_deadline,
  * Every new connection runs this script.  No marker: the data is lost, or
  * the server is new, which cannot be told apart: guarded from the run's
  * start.  A marker of another run: the server restarted with the data of
- * that run, complete only if that run kept every write (dur).  So the
+ * that run, complete only if that run kept every write (dur); we ask the
+ * new run to keep every write too, or a run started without AOF could
+ * have loaded an older snapshot that holds an old durable marker.  So the
  * decision rests on what the old run was and what the new one loaded,
- * never on how the new run is configured.  The script also raises the ttl
- * record, PREFIX "maxttl", to our longest ttl: a holder's renewal thread
- * connecting to a restarted server raises it again at once.
+ * never on how the new run is configured alone.  The script also raises
+ * the ttl record, PREFIX "maxttl", to our longest ttl: a holder's renewal
+ * thread connecting to a restarted server raises it again at once.
  *
  * KEYS: marker, ttl record.  ARGV: run_id, "1" when this run keeps every
  * write, its uptime in ms (a lower bound), our longest ttl, ms to keep the
@@ -282,14 +284,16 @@ static const char script_mark[] =
 	"local t = redis.call('TIME')\n"
 	"local now = tonumber(t[1]) * 1000 + "
 	"math.floor(tonumber(t[2]) / 1000)\n"
-	"local g = redis.call('HMGET', KEYS[1], 'run', 'dur', 'start')\n"
+	"local g = { redis.call('HGET', KEYS[1], 'run'), "
+	"redis.call('HGET', KEYS[1], 'dur'), "
+	"redis.call('HGET', KEYS[1], 'start') }\n"
 	"local start = now - tonumber(ARGV[3])\n"
 	"local dur = ARGV[2]\n"
 	"if start < 1 then start = 1 end\n"
 	"if g[1] == ARGV[1] then\n"
 	"  start = tonumber(g[3] or '1')\n"
 	"  if g[2] ~= '1' then dur = '0' end\n"
-	"elseif g[1] and g[1] ~= '?' and g[2] == '1' then\n"
+	"elseif g[1] and g[1] ~= '?' and g[2] == '1' and dur == '1' then\n"
 	"  start = 0\n"
 	"elseif g[1] == '?' and tonumber(g[3] or '0') > start then\n"
 	"  start = tonumber(g[3])\n"
