@@ -64,6 +64,8 @@
 #define GRACE_MS 100        /* a wait's commands end by its deadline + this */
 #define RETRY_GAP_MAX_MS 250 /* between renewal attempts after an error */
 #define FENCE_KEEP_MS 86400000 /* the fence counter outlives idle keys */
+#define RECORD_REFRESH_MS 60000 /* how often attempts refresh the ttl
+				 * record (also kept FENCE_KEEP_MS) */
 #define TOKEN_BYTES 16
 #define MAX_RECONNECTS 2    /* consecutive, within one wait */
 
@@ -111,6 +113,7 @@ struct redis {
 	uint64_t epoch;     /* restarts seen */
 	int64_t max_ttl_ms; /* longest ttl used: the automatic restart guard */
 	int64_t seen_ttl_ms; /* longest ttl record the server showed us */
+	int64_t rec_ns;      /* when an attempt last refreshed the record */
 	struct lease *leases;
 	bool stopping;
 	/* The restart marker and the ttl record (see script_mark). */
@@ -265,6 +268,9 @@ static int64_t cmd_deadline(const struct redis *r, int64_t wait_deadline,
  *          appendfsync always), at every connection made to it
  *   start  server ms from which locks may be missing (the run's start,
  *          or when the marker was found gone), or 0: none are
+ *   floor  the server's time in microseconds when locks were last found
+ *          possibly missing: every fence issued before is below it, and
+ *          a fence counter not above it starts anew from the clock
  * Every new connection runs this script.  No marker: the data is lost, or
  * the server is new, which cannot be told apart: guarded from the run's
  * start.  A marker of another run: the server restarted with the data of
@@ -287,6 +293,7 @@ static const char script_mark[] =
 	"local g = { redis.call('HGET', KEYS[1], 'run'), "
 	"redis.call('HGET', KEYS[1], 'dur'), "
 	"redis.call('HGET', KEYS[1], 'start') }\n"
+	"local floor = nil\n"
 	"local start = now - tonumber(ARGV[3])\n"
 	"local dur = ARGV[2]\n"
 	"if start < 1 then start = 1 end\n"
@@ -295,12 +302,17 @@ static const char script_mark[] =
 	"  if g[2] ~= '1' then dur = '0' end\n"
 	"elseif g[1] and g[1] ~= '?' and g[2] == '1' and dur == '1' then\n"
 	"  start = 0\n"
-	"elseif g[1] == '?' and tonumber(g[3] or '0') > start then\n"
-	"  start = tonumber(g[3])\n"
+	"else\n"
+	"  if g[1] == '?' and tonumber(g[3] or '0') > start then\n"
+	"    start = tonumber(g[3])\n"
+	"  end\n"
+	"  floor = string.format('%.0f', tonumber(t[1]) * 1000000 + "
+	"tonumber(t[2]))\n"
 	"end\n"
 	"start = string.format('%.0f', start)\n"
 	"redis.call('HSET', KEYS[1], 'run', ARGV[1], 'dur', dur, "
 	"'start', start)\n"
+	"if floor then redis.call('HSET', KEYS[1], 'floor', floor) end\n"
 	"local rec = tonumber(redis.call('GET', KEYS[2]) or '0')\n"
 	"if rec < tonumber(ARGV[4]) then\n"
 	"  rec = tonumber(ARGV[4])\n"
@@ -457,14 +469,22 @@ cmd_deadline(const struct redis *r, int64_t wait_deadline, int64_t extra_ns)
 	return d;
 }
 
-/* The restart guard an attempt asks for: *ms (-1: off) and whether the
- * server's ttl record also counts. */
+/* The restart guard an attempt asks for: *ms (-1: off), whether the
+ * server's ttl record also counts, and whether to refresh the record. */
 static void
-guard_need(struct redis *r, int64_t ttl_ms, int64_t *ms, bool *use_rec)
+guard_need(struct redis *r, int64_t ttl_ms, int64_t *ms, bool *use_rec,
+	   bool *refresh)
 {
+	int64_t now = kl__redis_now_ns();
+
 	pthread_mutex_lock(&r->mu);
 	if (ttl_ms > r->max_ttl_ms)
 		r->max_ttl_ms = ttl_ms;
+	/* The record needs raising, or its expiry renewing now and then. */
+	*refresh = ttl_ms > r->seen_ttl_ms || r->rec_ns == 0 ||
+		   now - r->rec_ns >= RECORD_REFRESH_MS * MS;
+	if (*refresh)
+		r->rec_ns = now;
 	if (r->conf.restart_guard_ms == KL_R_GUARD_AUTO) {
 		*ms = r->max_ttl_ms > r->seen_ttl_ms ? r->max_ttl_ms
 						     : r->seen_ttl_ms;
@@ -503,15 +523,15 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 			    l->n.len[K_HB], l->n.len[K_FENCE],
 			    l->n.len[K_WAKE], r->gkey_len[0],
 			    r->gkey_len[1] };
-	const char *args[7];
-	size_t alens[7];
+	const char *args[8];
+	size_t alens[8];
 	redisReply *rep, *e0, *e1;
 	int64_t need;
-	bool use_rec;
+	bool use_rec, refresh;
 	int rc;
 
 	*granted = false;
-	guard_need(r, l->ttl_ms, &need, &use_rec);
+	guard_need(r, l->ttl_ms, &need, &use_rec, &refresh);
 	args[0] = l->tok;
 	alens[0] = strlen(l->tok);
 	args[1] = ttl;
@@ -526,8 +546,10 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 	alens[5] = num(guard, sizeof guard, need);
 	args[6] = use_rec ? "1" : "0";
 	alens[6] = 1;
+	args[7] = refresh ? "1" : "0";
+	alens[7] = 1;
 	*sent_ns = kl__redis_now_ns();
-	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 7, keys, klens, 7,
+	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 7, keys, klens, 8,
 			      args, alens, &rep, err);
 	if (rc != KL_OK)
 		return rc;

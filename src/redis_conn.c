@@ -229,9 +229,10 @@ tv_ms(int64_t ms)
  *   compare-and-PEXPIRE);
  * - whoever frees the key (release, a waiter leaving) wakes the first live
  *   waiter; waiters also re-check on a timer, so a lost wake-up only delays;
- * - the fence is the larger of the last fence plus one and the server's
- *   time in microseconds (see NEXT_FENCE): it grows with every grant, also
- *   after a restart that lost or rolled back the counter;
+ * - the fence is a counter started from the server's time in microseconds,
+ *   started anew from it after a restart that may have lost or rolled back
+ *   counters (see NEXT_FENCE): it grows with every grant, whatever the
+ *   server restored;
  * - no grant while the restart guard holds (see script_attempt);
  * - the queue, heartbeats and wake lists expire by themselves (PEXPIRE at
  *   twice the heartbeat, refreshed by live waiters), so nothing is left
@@ -263,41 +264,52 @@ tv_ms(int64_t ms)
 	"  end\n"                                                          \
 	"end\n"
 
-/* The next fence of KEYS[4], whose key lives ARGV[5] ms: the larger of the
- * counter plus one and the server's time in microseconds.  The clock term
- * makes a fence larger than every fence before it whatever the server
- * restored: a counter rolled back by a snapshot, or lost with the data.
- * Each grant takes far more than a microsecond of the server's time, so a
- * grant's fence is the clock reading itself (the counter only matters when
- * the clock stalls), and after any restart the clock is past every fence
- * issued before it, as long as the wall clock never goes back. */
+/* The next fence of KEYS[4], whose key lives ARGV[5] ms from its creation:
+ * the counter's next value, or the server's time in microseconds when
+ * there was no counter (new key, expired) or the counter is not above the
+ * marker's floor.  A counter started from the clock at T counts at most
+ * one per grant, and a grant takes two scripts, far more than a
+ * microsecond of the server's time, so the value stays below the clock.
+ * The floor is the server's time in microseconds when locks were found
+ * possibly missing (see script_mark in provider_redis.c): a restart that
+ * lost data or rolled it back to a snapshot, a marker gone.  Every fence
+ * issued before that is below the floor, so a counter the server restored
+ * (older, or none) is drawn anew from the clock, above every fence before
+ * it, as long as the clock does not go back.  INCR keeps the key's
+ * expiry, so the fast path costs one command; only a new counter pays
+ * TIME and SET. */
 #define NEXT_FENCE                                                         \
-	"  local ft = redis.call('TIME')\n"                                \
-	"  local fence = tonumber(redis.call('GET', KEYS[4]) or '0') + 1\n" \
-	"  local clk = tonumber(ft[1]) * 1000000 + tonumber(ft[2])\n"      \
-	"  if clk > fence then fence = clk end\n"                          \
-	"  fence = string.format('%.0f', fence)\n"                         \
-	"  redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"
+	"  local fence = redis.call('INCR', KEYS[4])\n"                     \
+	"  if fence == 1 or fence <= floor then\n"                          \
+	"    local ft = redis.call('TIME')\n"                               \
+	"    fence = string.format('%.0f', tonumber(ft[1]) * 1000000 + "    \
+	"tonumber(ft[2]))\n"                                                \
+	"    redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"            \
+	"  end\n"
 
 /* KEYS: lock, q, hb, f, own wake list, the restart marker, the ttl
  * record.  ARGV: token, ttl ms, heartbeat ms, mode ("try": never queue;
  * "join": join the queue, a first attempt; "wait": stay in the queue, the
  * caller may have joined it before), ms to keep the fence and the ttl
  * record, the restart guard in ms (-1: off), "1" when the guard is at
- * least the ttl record.  Returns {1, fence, record} when granted (also
- * when the key is already ours: a retry after a lost reply), else {0,
- * rank or -1, record, ms the restart guard still holds}.  A retry sets
- * the ttl again: the caller counts the lease from when it sent the retry,
- * so the key must not expire a ttl after the first, unanswered attempt.
+ * least the ttl record, "1" to raise the ttl record to our ttl and renew
+ * its expiry (the client does so now and then: it spares the fast path
+ * two commands).  Returns {1, fence, record} when granted (also when the
+ * key is already ours: a retry after a lost reply), else {0, rank or -1,
+ * record, ms the restart guard still holds}; the record is 0 when it was
+ * not read.  A retry sets the ttl again: the caller counts the lease from
+ * when it sent the retry, so the key must not expire a ttl after the
+ * first, unanswered attempt.
  *
  * The ttl record is the longest ttl any client asked for, kept for a day
- * after the last attempt.  The restart marker (HASH run, dur, start; see
- * provider_redis.c) says since when, in server ms, the server may lack
- * locks that old holders still believe they hold: 0 when it lacks none.
- * While start + the guard is ahead of the server clock nothing is
- * granted: the caller queues and waits as behind a holder.  A marker that
- * vanished while the server ran (FLUSHALL, DEL) took the locks with it:
- * the guard runs from now.
+ * after the last refresh; it is read whenever the guard may hold.  The
+ * restart marker (HASH run, dur, start, floor; see provider_redis.c) says
+ * since when, in server ms, the server may lack locks that old holders
+ * still believe they hold (0: it lacks none), and the fence floor.  While
+ * start + the guard is ahead of the server clock nothing is granted: the
+ * caller queues and waits as behind a holder.  A marker that vanished
+ * while the server ran (FLUSHALL, DEL) took the locks with it: the guard
+ * and the floor run from now.
  *
  * Fast path, the uncontended case: no queue key means nobody waits (Redis
  * deletes a queue emptied by its last ZREM, and a queue that expired had
@@ -308,24 +320,36 @@ tv_ms(int64_t ms)
  * below. */
 static const char script_attempt[] =
 	"local tok = ARGV[1]\n"
-	"local rec = tonumber(redis.call('GET', KEYS[7]) or '0')\n"
-	"if rec < tonumber(ARGV[2]) then\n"
-	"  rec = tonumber(ARGV[2])\n"
-	"  redis.call('SET', KEYS[7], ARGV[2], 'PX', ARGV[5])\n"
-	"elseif redis.call('PTTL', KEYS[7]) < tonumber(ARGV[5]) / 2 then\n"
-	"  redis.call('PEXPIRE', KEYS[7], ARGV[5])\n"
+	"local rec = 0\n"
+	"if ARGV[8] == '1' then\n"
+	"  rec = tonumber(redis.call('GET', KEYS[7]) or '0')\n"
+	"  if rec < tonumber(ARGV[2]) then\n"
+	"    rec = tonumber(ARGV[2])\n"
+	"    redis.call('SET', KEYS[7], ARGV[2], 'PX', ARGV[5])\n"
+	"  elseif redis.call('PTTL', KEYS[7]) < tonumber(ARGV[5]) / 2 then\n"
+	"    redis.call('PEXPIRE', KEYS[7], ARGV[5])\n"
+	"  end\n"
 	"end\n"
 	"local left = 0\n"
 	"local need = tonumber(ARGV[6])\n"
-	"if ARGV[7] == '1' and rec > need then need = rec end\n"
-	"local gs = redis.call('HGET', KEYS[6], 'start')\n"
+	"local mk = redis.call('HMGET', KEYS[6], 'start', 'floor')\n"
+	"local gs = mk[1]\n"
+	"local floor = tonumber(mk[2] or '0')\n"
 	"if not gs or (need > 0 and gs ~= '0') then\n"
 	"  local gt = redis.call('TIME')\n"
 	"  local gnow = tonumber(gt[1]) * 1000 + "
 	"math.floor(tonumber(gt[2]) / 1000)\n"
 	"  if not gs then\n"
 	"    gs = string.format('%.0f', gnow)\n"
-	"    redis.call('HSET', KEYS[6], 'run', '?', 'dur', '0', 'start', gs)\n"
+	"    floor = tonumber(gt[1]) * 1000000 + tonumber(gt[2])\n"
+	"    redis.call('HSET', KEYS[6], 'run', '?', 'dur', '0', 'start', gs,\n"
+	"               'floor', string.format('%.0f', floor))\n"
+	"  end\n"
+	"  if ARGV[7] == '1' then\n"
+	"    if ARGV[8] ~= '1' then\n"
+	"      rec = tonumber(redis.call('GET', KEYS[7]) or '0')\n"
+	"    end\n"
+	"    if rec > need then need = rec end\n"
 	"  end\n"
 	"  if need > 0 then left = tonumber(gs) + need - gnow end\n"
 	"end\n"
