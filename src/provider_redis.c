@@ -1290,7 +1290,8 @@ kl_redis_provider_open(kl_provider **out, const char *uri, kl_error *err)
 			goto fail;
 		}
 		memcpy(r->gkey[i], r->conf.prefix, r->conf.prefix_len);
-		strcpy(r->gkey[i] + r->conf.prefix_len, what);
+		memcpy(r->gkey[i] + r->conf.prefix_len, what,
+		       strlen(what) + 1);
 	}
 	/* Connect now, so a wrong address or password fails here. */
 	if ((rc = conn_new(r, KL_R_NO_DEADLINE, &c, err)) != KL_OK)
