@@ -19,7 +19,10 @@
  * files, the environment, never shown in messages) and the ACL the manual
  * documents; unreachable servers; malformed URIs; a stalled server
  * (SIGSTOP); and a server restart while a lease is held and a waiter
- * waits.
+ * waits.  Also: schemes in any case and options given twice; the message
+ * of a timeout; servers that may evict keys refused; against a stalled
+ * server, the bound on a wait past its timeout and the undoing of a grant
+ * that the server makes to an acquire that gave up.
  *
  * Each test uses a key prefix of its own, so that it can list and check
  * every Redis key it made.  Worker threads never call ck_assert*: they
