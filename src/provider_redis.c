@@ -100,6 +100,7 @@ struct lease {
 	struct kl__rconn *stale[STALE_MAX];
 	int nstale;
 	struct lease *undo_next; /* r->undos */
+	int64_t undo_until; /* ns: no use undoing after (0: not known yet) */
 };
 
 struct redis {
@@ -357,9 +358,10 @@ conn_replace(struct redis *r, struct kl__rconn **cp, int64_t cap_ns,
 	return conn_new(r, cap_ns, cp, err);
 }
 
-/* Keeps *cp, if an attempt of l's on it is still unanswered, rather than
- * let conn_replace or conn_put close it: closing would not stop the server
- * from running the attempt once it reads it (see undo_later). */
+/* Keeps *cp, if a command of l's wait on it is still unanswered, rather
+ * than let conn_replace or conn_put close it: closing would not stop the
+ * server from running an attempt once it reads it, nor end the wait's
+ * place in the queue (see undo_later). */
 static void
 stash(struct lease *l, struct kl__rconn **cp)
 {
@@ -373,9 +375,11 @@ stash(struct lease *l, struct kl__rconn **cp)
 /* Takes l, an acquire that gave up, from its thread.  A server that was
  * stalled runs the attempts it had not answered when it resumes, and one
  * of them may grant the key to l's token, which nobody holds: the key
- * would stay taken for a whole ttl.  The renewal thread undoes that as
- * soon as the server answers again (undo_try).  Past UNDO_MAX waiting,
- * l is dropped and such a grant expires with its ttl. */
+ * would stay taken for a whole ttl.  Or the token stays queued, and blocks
+ * the waiters behind it for its heartbeat.  The renewal thread undoes both
+ * as soon as the server answers again (undo_try).  Past UNDO_MAX waiting,
+ * l is dropped: such a grant expires with its ttl, such a waiter with its
+ * heartbeat. */
 static void
 undo_later(struct redis *r, struct lease *l)
 {
@@ -679,6 +683,9 @@ wait_queued(struct redis *r, struct kl__rconn **cp, struct lease *l,
 			if (rc != KL_OK && !(*cp)->broken)
 				return rc;
 			if (rc != KL_OK) {
+				/* The token stays queued, and live, until the
+				 * leave at the end: kept for undo_later. */
+				stash(l, cp);
 				rc = reconnect_in_wait(r, cp, epoch,
 						       deadline, &reconnects,
 						       err);
@@ -839,8 +846,10 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		*fence = 0;
 		return not_failed(err, rc);
 	}
-	/* Granted: the server answered after every attempt it had not
-	 * answered before, which can only have granted this same token. */
+	/* Granted.  An attempt left unanswered on a replaced connection
+	 * could only grant this same token; and the server, which answered
+	 * a later command, has read it (it was sent first, to the same
+	 * server), so it cannot run after the release. */
 	stale_close(l);
 	l->epoch = c->epoch;
 	conn_put(r, c);
@@ -1035,11 +1044,19 @@ undo_try(struct redis *r, struct lease *l)
 			l->stale[i--] = l->stale[--l->nstale];
 		}
 	}
-	if (l->nstale > 0)
+	if (l->nstale > 0) {
 		c = l->stale[--l->nstale];
-	else if (conn_new(r, cmd_deadline(r, KL_R_NO_DEADLINE, 0), &c,
-			  NULL) != KL_OK)
-		return false;
+	} else {
+		/* Every connection the attempts went on is closed: a grant
+		 * they made was made by now, and expires a ttl later. */
+		if (l->undo_until == 0)
+			l->undo_until = kl__redis_deadline(l->ttl_ms);
+		if (kl__redis_now_ns() >= l->undo_until)
+			return true;
+		if (conn_new(r, cmd_deadline(r, KL_R_NO_DEADLINE, 0), &c,
+			     NULL) != KL_OK)
+			return false;
+	}
 	rc = leave(r, c, l, cmd_deadline(r, KL_R_NO_DEADLINE, 0), NULL);
 	if (rc != KL_OK && c->broken) {
 		stash(l, &c);

@@ -14,7 +14,7 @@
  * poll() first.  So a signal (EINTR) never extends a deadline,
  * and a command that misses its deadline marks the connection broken: it
  * is closed, never reused, because a late reply would otherwise be read as
- * the answer to the next command.
+ * the answer to the next command (unless kl__rconn_drain read it first).
  *
  * Writing to a socket the server has closed raises SIGPIPE, which would
  * kill a program that did not ignore it: we send with MSG_NOSIGNAL.  Where

@@ -1787,6 +1787,43 @@ START_TEST(test_stalled_late_grant)
 }
 END_TEST
 
+/* A waiter that gave up against a stalled server leaves the queue when the
+ * server resumes, rather than block the waiters behind it for its
+ * heartbeat (10 s here, more than the next acquire waits). */
+START_TEST(test_stalled_waiter_leaves)
+{
+	kl_provider *p = open_opts("restart_guard=0&heartbeat=10s"), *q;
+	struct waiter w;
+	struct hold h, t;
+	kl_error err;
+	int rc;
+
+	memset(&w, 0, sizeof w);
+	q = open_default();
+	take_ok(q, "gone", 0, &h);
+	waiter_start(&w, p, "gone", 800, NULL);
+	wait_status(q, "gone", 1, 1);
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_EPROVIDER || w.rc == KL_ETIMEDOUT,
+		      "waiter: %s: %s", kl_strerror(w.rc), w.message);
+	hold_free(&w.h);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+
+	drop(&h);
+	rc = take(q, "gone", 5000, 0, NULL, &t, &err);
+	ck_assert_msg(rc == KL_OK, "still queued behind the waiter: %s: %s",
+		      kl_strerror(rc), err.message);
+	assert_status(q, "gone", 1, 0);
+	hold_free(&t);
+	hold_free(&h);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Against a server that stopped answering, an acquire returns within the
  * grace (100 ms) after its timeout, plus scheduling delays: the least of
  * five overshoots is below 190 ms.  (Connecting again after an attempt
@@ -2049,6 +2086,7 @@ provider_redis_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, resume_server);
 	tcase_add_test(tc, test_stalled_server);
 	tcase_add_test(tc, test_stalled_late_grant);
+	tcase_add_test(tc, test_stalled_waiter_leaves);
 	tcase_add_test(tc, test_stalled_timeout_bound);
 	tcase_add_test(tc, test_restart);
 
