@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -263,6 +264,11 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 		else
 			rc = parse_duration(name, v, 0, INT64_MAX / 4,
 					    &conf->restart_guard_ms, err);
+	} else if (strcmp(name, "eviction") == 0) {
+		if (strcmp(v, "refuse") == 0 || strcmp(v, "allow") == 0)
+			conf->allow_eviction = strcmp(v, "allow") == 0;
+		else
+			rc = bad(err, "option eviction wants refuse or allow");
 	} else if (strcmp(name, "pool") == 0) {
 		if (parse_long(v, vlen, 1, MAX_POOL, &num))
 			conf->pool = (size_t)num;
@@ -286,7 +292,8 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 		kl__redis_error(err, KL_EINVAL,
 				"redis provider: unknown option '%s' (known: "
 				"ttl, timeout, connect_timeout, pool, prefix, "
-				"heartbeat, restart_guard, password_file)",
+				"heartbeat, restart_guard, password_file, "
+				"eviction)",
 				name);
 		rc = KL_EINVAL;
 	}
@@ -375,6 +382,27 @@ authority(struct kl__redis_conf *conf, const char *s, size_t n,
 	return KL_OK;
 }
 
+/* Refuses a second NAME= of the option at opt among the options of the
+ * query before it: which of the two was meant cannot be told.  Called once
+ * option() accepted the name, so that only a known name is quoted. */
+static int
+once(const char *query, const char *opt, kl_error *err)
+{
+	size_t n = strcspn(opt, "=&");
+	const char *s;
+
+	for (s = query; s < opt; s += strcspn(s, "&") + 1) {
+		if (strncmp(s, opt, n) == 0 && s[n] == '=') {
+			kl__redis_error(err, KL_EINVAL,
+					"redis provider: option %.*s is given "
+					"twice",
+					(int)n, opt);
+			return KL_EINVAL;
+		}
+	}
+	return KL_OK;
+}
+
 void
 kl__redis_conf_clear(struct kl__redis_conf *conf)
 {
@@ -391,19 +419,20 @@ int
 kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		     kl_error *err)
 {
-	const char *s, *auth_end, *q;
+	const char *s, *auth_end, *q, *query;
 	char *pwfile = NULL;
 	long db;
 	int rc;
 
 	memset(conf, 0, sizeof *conf);
-	if (strncmp(uri, "rediss://", 9) == 0) {
+	/* Schemes are case-insensitive (RFC 3986, 3.1). */
+	if (strncasecmp(uri, "rediss://", 9) == 0) {
 		kl__redis_error(err, KL_EPROVIDER,
 				"redis provider: TLS (rediss://) is not "
 				"supported by this build");
 		return KL_EPROVIDER;
 	}
-	if (strncmp(uri, "redis://", 8) != 0)
+	if (strncasecmp(uri, "redis://", 8) != 0)
 		return bad(err, "the URI must start with redis://");
 	conf->pool = DEFAULT_POOL;
 	conf->ttl_ms = DEFAULT_TTL_MS;
@@ -436,12 +465,14 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		goto fail;
 	}
 	if (*s == '?') {
+		query = s + 1;
 		for (s++; *s != '\0'; s = *q != '\0' ? q + 1 : q) {
 			q = s + strcspn(s, "&");
 			if (q == s)
 				continue;
 			if ((rc = option(conf, s, (size_t)(q - s), &pwfile,
-					 err)) != KL_OK)
+					 err)) != KL_OK ||
+			    (rc = once(query, s, err)) != KL_OK)
 				goto fail;
 		}
 	}

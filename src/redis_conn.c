@@ -14,7 +14,7 @@
  * poll() first.  So a signal (EINTR) never extends a deadline,
  * and a command that misses its deadline marks the connection broken: it
  * is closed, never reused, because a late reply would otherwise be read as
- * the answer to the next command.
+ * the answer to the next command (unless kl__rconn_drain read it first).
  *
  * Writing to a socket the server has closed raises SIGPIPE, which would
  * kill a program that did not ignore it: we send with MSG_NOSIGNAL.  Where
@@ -607,6 +607,9 @@ roundtrip(struct kl__rconn *c, int64_t deadline, int n, redisReply **rep,
 			r = read_some(c, deadline);
 			if (r == 0) {
 				c->broken = true;
+				/* Sent, so the server may still run them:
+				 * kl__rconn_drain waits for that. */
+				c->owed = n - i;
 				kl__redis_error(err, KL_EPROVIDER,
 						"redis provider: no reply "
 						"from the server in time");
@@ -697,6 +700,36 @@ kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 		return KL_EPROVIDER;
 	}
 	return rc;
+}
+
+int
+kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns)
+{
+	while (c->owed > 0) {
+		void *reply = NULL;
+		int r;
+
+		if (redisGetReplyFromReader(c->ctx, &reply) != REDIS_OK) {
+			c->owed = 0;
+			return KL_EPROVIDER;
+		}
+		if (reply != NULL) {
+			freeReplyObject(reply);
+			c->owed--;
+			continue;
+		}
+		r = read_some(c, deadline_ns);
+		if (r == 0)
+			return KL_ETIMEDOUT;
+		if (r < 0) {
+			c->owed = 0;
+			return KL_EPROVIDER;
+		}
+	}
+	if (c->ctx->err != 0)
+		return KL_EPROVIDER;
+	c->broken = false;
+	return KL_OK;
 }
 
 int64_t
@@ -840,6 +873,36 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 	return KL_OK;
 }
 
+/* Refuses a server that may evict keys: every key of a lock has an expiry,
+ * so the volatile-* policies may evict them as well as the allkeys-* ones,
+ * and a held lock evicted is granted again while its holder still believes
+ * it holds it.  Without maxmemory (0) Redis evicts nothing, whatever the
+ * policy; a server whose INFO does not tell its policy is taken as it is.
+ * INFO is read again on every new connection, so a server reconfigured
+ * later is refused from its next connection on. */
+static int
+check_eviction(struct kl__rconn *c, const struct kl__redis_conf *conf,
+	       const char *info, kl_error *err)
+{
+	char policy[64], max[32];
+
+	if (conf->allow_eviction ||
+	    !info_field(info, "maxmemory_policy", policy, sizeof policy) ||
+	    strcmp(policy, "noeviction") == 0)
+		return KL_OK;
+	if (info_field(info, "maxmemory", max, sizeof max) &&
+	    strcmp(max, "0") == 0)
+		return KL_OK;
+	c->broken = true;
+	kl__redis_error(err, KL_EPROVIDER,
+			"redis provider: the server may evict held locks "
+			"(maxmemory-policy %s, maxmemory set): set "
+			"maxmemory-policy noeviction, or add eviction=allow to "
+			"the URI to accept the risk",
+			policy);
+	return KL_EPROVIDER;
+}
+
 /* With appendonly on, asks whether every write is fsynced: only then do
  * locks survive a crash of the server.  A server that refuses CONFIG (it
  * may be renamed) counts as not persistent. */
@@ -981,6 +1044,8 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	}
 	if (rc == KL_OK)
 		rc = identify(c, rep[info], err);
+	if (rc == KL_OK)
+		rc = check_eviction(c, conf, rep[info]->str, err);
 	for (i = info + 1; rc == KL_OK && i < n; i++) {
 		redisReply *r = rep[i];
 

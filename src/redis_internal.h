@@ -47,6 +47,7 @@ struct kl__redis_conf {
 	int64_t connect_timeout_ms;
 	int64_t heartbeat_ms;
 	int64_t restart_guard_ms; /* KL_R_GUARD_AUTO or >= 0 */
+	bool allow_eviction;      /* eviction=allow: maxmemory-policy unchecked */
 };
 
 /* Parses uri into conf (zeroed first).  KL_OK; KL_EINVAL for a malformed
@@ -94,6 +95,8 @@ struct kl__rconn {
 	redisContext *ctx;
 	pid_t pid;          /* the process that connected */
 	bool broken;        /* failed or timed out: close, never reuse */
+	int owed;           /* replies still due when a command timed out
+			     * (0 when the connection failed otherwise) */
 	int64_t rcv_ns;     /* SO_RCVTIMEO: the longest blocking recv() */
 	int64_t up_ms;      /* server uptime by its INFO (a lower bound) */
 	int64_t t0_ns;      /* our clock when INFO had answered */
@@ -129,6 +132,12 @@ KL_RHIDDEN int kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 				int nargs, const char **args,
 				const size_t *alens, redisReply **reply,
 				kl_error *err);
+/* Reads and discards the c->owed replies of commands that timed out, by
+ * deadline_ns; the server runs a connection's commands in order, so once
+ * they are in, nothing sent on c before is still to run.  KL_OK (c is in
+ * step again and no longer broken), KL_ETIMEDOUT (some are still due: call
+ * again later), KL_EPROVIDER (the connection failed: close it). */
+KL_RHIDDEN int kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns);
 /* The server's uptime in milliseconds now, as estimated from the uptime
  * INFO gave when c connected and our clock since: never more than the
  * real uptime (INFO's whole seconds may be up to one too many). */
