@@ -434,55 +434,69 @@ static struct {
 	sigset_t old_mask; /* the mask keylock started with, for the command */
 	enum phase phase;
 	kl_cancel *cancel; /* fired in PHASE_WAIT */
-	pid_t child;       /* valid in PHASE_RUN */
+	pid_t child;       /* valid in PHASE_RUN; also its process group */
 	int pending;       /* first signal before the command ran, or 0 */
 } sigs = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
-/* Waits for one of sigs.set; *from_tty is set when the terminal sent it to
- * the whole foreground process group, so the command already has it. */
-static int
-wait_signal(bool *from_tty)
+/* What a signal does by default, for the phases without a command. */
+enum sig_default { SD_TERMINATE, SD_IGNORE, SD_STOP };
+
+static enum sig_default
+sig_default(int sig)
 {
-#ifdef SI_KERNEL
-	siginfo_t si;
-	int sig;
+	switch (sig) {
+	case SIGURG:
+	case SIGWINCH:
+		return SD_IGNORE;
+	case SIGTSTP:
+	case SIGTTIN:
+	case SIGTTOU:
+		return SD_STOP;
+	default:
+		return SD_TERMINATE;
+	}
+}
 
-	while ((sig = sigwaitinfo(&sigs.set, &si)) < 0)
-		;
-	*from_tty = si.si_code == SI_KERNEL;
-	return sig;
-#else
-	int sig;
-
-	while (sigwait(&sigs.set, &sig) != 0)
-		;
-	*from_tty = false;
-	return sig;
-#endif
+/* Passes sig on to the command's process group (the command and what it
+ * started), or to the command alone when it has left its group. */
+static void
+forward(pid_t child, int sig)
+{
+	if (kill(-child, sig) != 0 && errno == ESRCH)
+		kill(child, sig);
 }
 
 static void *
 sig_main(void *arg)
 {
-	bool from_tty;
+	enum sig_default sd;
 	int sig;
 
+	(void)arg;
 	for (;;) {
-		sig = wait_signal(&from_tty);
+		while (sigwait(&sigs.set, &sig) != 0)
+			;
+		sd = sig_default(sig);
 		pthread_mutex_lock(&sigs.mu);
 		switch (sigs.phase) {
 		case PHASE_WAIT:
-			if (sigs.pending == 0)
-				sigs.pending = sig;
-			kl_cancel_fire(sigs.cancel);
-			break;
 		case PHASE_IDLE:
+			/* No command yet: what the signal would do to a
+			 * process without a handler, except that keylock
+			 * leaves the queue or releases the key first. */
+			if (sd == SD_STOP) {
+				kill(getpid(), SIGSTOP);
+				break;
+			}
+			if (sd == SD_IGNORE)
+				break;
 			if (sigs.pending == 0)
 				sigs.pending = sig;
+			if (sigs.phase == PHASE_WAIT)
+				kl_cancel_fire(sigs.cancel);
 			break;
 		case PHASE_RUN:
-			if (!from_tty)
-				kill(sigs.child, sig);
+			forward(sigs.child, sig);
 			break;
 		case PHASE_DONE:
 			break;
@@ -492,21 +506,29 @@ sig_main(void *arg)
 	return NULL;
 }
 
-/* Blocks the handled signals in this thread, so in every thread started
- * later.  A signal ignored when keylock started stays ignored (as nohup(1)
- * or a shell's background job set it), for keylock and the command. */
+/* Blocks every signal keylock can catch in this thread, so in every thread
+ * started later: a signal must never end keylock while the command runs,
+ * since that would release the key early.  Left alone: SIGKILL and SIGSTOP
+ * (they cannot be caught), SIGCHLD (the command's end is waited for) and
+ * SIGCONT (it continues keylock, which continues the command itself).  A
+ * signal ignored when keylock started stays ignored (as nohup(1) or a
+ * shell's background job set it), for keylock and the command. */
 static void
 block_signals(void)
 {
-	static const int handled[] = { SIGTERM, SIGHUP, SIGINT };
 	struct sigaction sa;
-	size_t i;
+	int sig;
 
 	sigemptyset(&sigs.set);
-	for (i = 0; i < sizeof handled / sizeof handled[0]; i++)
-		if (sigaction(handled[i], NULL, &sa) == 0 &&
+	for (sig = 1; sig < NSIG; sig++) {
+		if (sig == SIGKILL || sig == SIGSTOP || sig == SIGCHLD ||
+		    sig == SIGCONT)
+			continue;
+		/* Fails for the signals the C library keeps for itself. */
+		if (sigaction(sig, NULL, &sa) == 0 &&
 		    sa.sa_handler != SIG_IGN)
-			sigaddset(&sigs.set, handled[i]);
+			sigaddset(&sigs.set, sig);
+	}
 	pthread_sigmask(SIG_BLOCK, &sigs.set, &sigs.old_mask);
 }
 
@@ -682,17 +704,24 @@ command_init(struct command *c, char **argv, const char *key, uint64_t fence)
 	return 0;
 }
 
-/* In the child of fork: async-signal-safe calls only.  Tries the candidates
- * as execvp does (a permission error is remembered while the search goes
- * on; a file that is not an executable format is run by /bin/sh), then
- * writes errno to errfd and exits. */
+/* In the child of fork: async-signal-safe calls only.  Moves to a process
+ * group of its own (and takes the terminal when keylock had it), then tries
+ * the candidates as execvp does (a permission error is remembered while
+ * the search goes on; a file that is not an executable format is run by
+ * /bin/sh), then writes errno to errfd and exits. */
 static void
-child_exec(struct command *c, int errfd)
+child_exec(struct command *c, int ttyfd, int errfd)
 {
 	bool eacces = false;
 	int err = ENOENT;
 	size_t i;
 
+	/* Done here as well as in the parent, so that the command never runs
+	 * in keylock's group or without the terminal, whichever is first.
+	 * SIGTTOU is still blocked, so tcsetpgrp works from the new group. */
+	setpgid(0, 0);
+	if (ttyfd >= 0)
+		tcsetpgrp(ttyfd, getpid());
 	/* The dispositions are the ones keylock started with (it sets no
 	 * handler); only the mask changed. */
 	sigprocmask(SIG_SETMASK, &sigs.old_mask, NULL);
@@ -724,6 +753,44 @@ child_exec(struct command *c, int errfd)
 	_exit(err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE);
 }
 
+/* The controlling terminal, when keylock's process group is in its
+ * foreground (keylock then hands it to the command's group), else -1. */
+static int
+foreground_tty(void)
+{
+	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+
+	if (fd >= 0 && tcgetpgrp(fd) != getpgrp()) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
+/* The command was stopped (Ctrl-Z reached its group): keylock takes the
+ * terminal back and stops too, so that the shell sees its job stop; once
+ * continued (fg or bg) it gives the terminal back if it is in the
+ * foreground again, and continues the command.  Without a terminal of
+ * its own (cron, a service, a background job) keylock does not stop: no
+ * shell would continue it. */
+static void
+follow_stop(pid_t pid, int ttyfd)
+{
+	siginfo_t info;
+
+	memset(&info, 0, sizeof info);
+	/* Consumes the report of this stop (the command is not reaped). */
+	waitid(P_PID, pid, &info, WSTOPPED | WNOHANG);
+	if (ttyfd < 0)
+		return;
+	if (tcgetpgrp(ttyfd) == pid)
+		tcsetpgrp(ttyfd, getpgrp());
+	kill(getpid(), SIGSTOP);
+	if (tcgetpgrp(ttyfd) == getpgrp())
+		tcsetpgrp(ttyfd, pid);
+	kill(-pid, SIGCONT);
+}
+
 /* Runs the command and returns its exit status; *sig is set when it died
  * of a signal or was never started because keylock got one.  The caller
  * holds the key and releases it afterwards. */
@@ -732,7 +799,7 @@ run_command(struct command *c, int *sig)
 {
 	char buf[SHOWN_MAX];
 	siginfo_t info;
-	int fds[2], err, status;
+	int fds[2], err, status, ttyfd;
 	ssize_t n;
 	pid_t pid;
 
@@ -745,6 +812,7 @@ run_command(struct command *c, int *sig)
 	 * pipe() and these. */
 	fcntl(fds[0], F_SETFD, FD_CLOEXEC);
 	fcntl(fds[1], F_SETFD, FD_CLOEXEC);
+	ttyfd = foreground_tty();
 
 	/* The fork happens under sigs.mu, so a signal is either seen before
 	 * (the command does not start) or forwarded to the child. */
@@ -755,13 +823,19 @@ run_command(struct command *c, int *sig)
 		pthread_mutex_unlock(&sigs.mu);
 		close(fds[0]);
 		close(fds[1]);
+		if (ttyfd >= 0)
+			close(ttyfd);
 		return 128 + *sig;
 	}
 	pid = fork();
 	err = errno;
 	if (pid == 0)
-		child_exec(c, fds[1]);
+		child_exec(c, ttyfd, fds[1]);
 	if (pid > 0) {
+		/* Before a signal can be forwarded to the group. */
+		setpgid(pid, pid);
+		if (ttyfd >= 0)
+			tcsetpgrp(ttyfd, pid);
 		sigs.child = pid;
 		sigs.phase = PHASE_RUN;
 	}
@@ -769,6 +843,8 @@ run_command(struct command *c, int *sig)
 	close(fds[1]);
 	if (pid < 0) {
 		close(fds[0]);
+		if (ttyfd >= 0)
+			close(ttyfd);
 		note("cannot fork: %s", strerror(err));
 		return EXIT_OSERR;
 	}
@@ -777,9 +853,18 @@ run_command(struct command *c, int *sig)
 		;
 	close(fds[0]);
 
-	while (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) != 0 &&
-	       errno == EINTR)
-		;
+	for (;;) {
+		memset(&info, 0, sizeof info);
+		if (waitid(P_PID, pid, &info, WEXITED | WSTOPPED | WNOWAIT) !=
+		    0) {
+			if (errno == EINTR)
+				continue;
+			break;
+		}
+		if (info.si_code != CLD_STOPPED)
+			break;
+		follow_stop(pid, ttyfd);
+	}
 	pthread_mutex_lock(&sigs.mu);
 	sigs.phase = PHASE_DONE;
 	pthread_mutex_unlock(&sigs.mu);
@@ -787,8 +872,17 @@ run_command(struct command *c, int *sig)
 		if (errno != EINTR) {
 			note("cannot wait for the command: %s",
 			     strerror(errno));
+			if (ttyfd >= 0)
+				close(ttyfd);
 			return EXIT_OSERR;
 		}
+	/* The shell that started keylock expects the terminal back in its
+	 * job's group. */
+	if (ttyfd >= 0) {
+		if (tcgetpgrp(ttyfd) == pid)
+			tcsetpgrp(ttyfd, getpgrp());
+		close(ttyfd);
+	}
 
 	if (n == (ssize_t)sizeof err) {
 		note("failed to execute '%s': %s",
