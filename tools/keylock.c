@@ -72,7 +72,9 @@ struct options {
 	bool verbose;
 	bool status;     /* `keylock status [KEY]` */
 	const char *key; /* NULL only for a status of every key */
-	char **command;  /* NULL-terminated tail of argv */
+	char **command;  /* NULL-terminated tail of argv, or sh_argv */
+	const char *shell_command; /* -c STRING */
+	char *sh_argv[4];          /* /bin/sh -c STRING NULL */
 };
 
 /* ------------------------------------------------------------------ */
@@ -83,6 +85,7 @@ usage(void)
 {
 	fputs("Usage:\n"
 	      " " PROG " [options] KEY -- COMMAND [ARG...]\n"
+	      " " PROG " [options] KEY -c STRING\n"
 	      " " PROG " [options] status [KEY]\n"
 	      "\n"
 	      "Run COMMAND while holding the lock KEY; processes waiting for "
@@ -93,21 +96,30 @@ usage(void)
 	      " -p, --provider URI          where the locks live: local:[DIR]"
 	      " (default),\n"
 	      "                               redis://..., postgresql://...\n"
-	      " -w, --wait DURATION         give up after DURATION (default:"
+	      " -w, --wait, --timeout DURATION\n"
+	      "                             give up after DURATION (default:"
 	      " forever);\n"
 	      "                               0 tries once\n"
-	      " -n, --nonblock              the same as --wait 0\n"
+	      " -n, --nonblock              the same as --wait 0 (also --nb,\n"
+	      "                               --nonblocking)\n"
 	      " -t, --ttl DURATION          lease time, for providers with "
 	      "leases\n"
 	      " -E, --conflict-exit-code N  exit status when KEY is not "
 	      "acquired\n"
 	      "                               (0 to 255, default 75)\n"
+	      " -c, --command STRING        run STRING with /bin/sh -c instead"
+	      " of\n"
+	      "                               -- COMMAND (KEY -c STRING also"
+	      " works)\n"
+	      " -x, -e, --exclusive         an exclusive lock (the only kind;"
+	      " accepted\n"
+	      "                               for flock(1) users)\n"
 	      " -q, --quiet                 do not report a KEY not acquired\n"
 	      " -v, --verbose               report waited and held times\n"
 	      " -h, --help                  display this help and exit\n"
 	      " -V, --version               display the version and exit\n"
 	      "\n"
-	      "DURATION is seconds (\"5\", \"1.5\") or a number with a unit "
+	      "DURATION is seconds (\"5\", \"1.5\", \".5\") or a number with a unit "
 	      "(250ms, 5s,\n"
 	      "1.5m, 2h, 1d), or \"forever\".\n"
 	      "\n"
@@ -221,13 +233,23 @@ parse_duration(const char *option, const char *text, bool forever_ok)
 	int64_t ms;
 	int rc;
 
-	if (len > 0 && strspn(text, "0123456789.") == len) {
-		if ((with_unit = malloc(len + 2)) == NULL) {
+	/* flock(1) takes ".5" and "5." as well (strtod's numbers); they are
+	 * given kl_duration_parse as "0.5s" and "5.0s". */
+	if (len > 0 && strspn(text, "0123456789.") == len &&
+	    strpbrk(text, "0123456789") != NULL) {
+		bool lead = text[0] == '.', trail = text[len - 1] == '.';
+		size_t at = lead ? 1 : 0;
+
+		if ((with_unit = malloc(len + 4)) == NULL) {
 			note("out of memory");
 			exit(EXIT_OSERR);
 		}
-		memcpy(with_unit, text, len);
-		memcpy(with_unit + len, "s", 2);
+		with_unit[0] = '0';
+		memcpy(with_unit + at, text, len);
+		at += len;
+		if (trail)
+			with_unit[at++] = '0';
+		memcpy(with_unit + at, "s", 2);
 	}
 	rc = kl_duration_parse(with_unit != NULL ? with_unit : text, &ms);
 	free(with_unit);
@@ -255,13 +277,58 @@ parse_exit_code(const char *text)
 	return (int)n;
 }
 
+/* The key reaches the command in KEYLOCK_KEY: one that execve would refuse
+ * (E2BIG) is a usage error now, before anything is locked, rather than a
+ * command that cannot be run once the key is held. */
+static void
+check_key_fits(const struct options *o)
+{
+	size_t key_len = strlen(o->key), var, total;
+	long argmax = sysconf(_SC_ARG_MAX);
+	char **v;
+
+	var = sizeof "KEYLOCK_KEY=" + key_len;
+#ifdef __linux__
+	{
+		/* Linux's MAX_ARG_STRLEN: 32 pages for one string. */
+		long page = sysconf(_SC_PAGESIZE);
+
+		if (page > 0 && var > (size_t)page * 32)
+			usage_error("the KEY is too long to pass to the "
+				    "command in KEYLOCK_KEY (%zu bytes, at "
+				    "most %zu)",
+				    key_len,
+				    (size_t)page * 32 - sizeof "KEYLOCK_KEY=");
+	}
+#endif
+	/* Strings and pointers, as execve counts them. */
+	total = var + sizeof "KEYLOCK_FENCE=18446744073709551615" +
+		3 * sizeof(char *);
+	for (v = o->command; v != NULL && *v != NULL; v++)
+		total += strlen(*v) + 1 + sizeof(char *);
+	for (v = environ; v != NULL && *v != NULL; v++)
+		total += strlen(*v) + 1 + sizeof(char *);
+	if (argmax > 0 && total > (size_t)argmax)
+		usage_error("the KEY (%zu bytes) does not fit in the "
+			    "command's environment beside its arguments and "
+			    "the other variables (%zu bytes in all, at most "
+			    "%ld)",
+			    key_len, total, argmax);
+}
+
 static void
 parse_args(int argc, char **argv, struct options *o)
 {
 	static const struct option longopts[] = {
 		{ "provider", required_argument, NULL, 'p' },
 		{ "wait", required_argument, NULL, 'w' },
+		{ "timeout", required_argument, NULL, 'w' },
 		{ "nonblock", no_argument, NULL, 'n' },
+		{ "nonblocking", no_argument, NULL, 'n' },
+		{ "nb", no_argument, NULL, 'n' },
+		{ "exclusive", no_argument, NULL, 'x' },
+		{ "shared", no_argument, NULL, 's' },
+		{ "command", required_argument, NULL, 'c' },
 		{ "ttl", required_argument, NULL, 't' },
 		{ "conflict-exit-code", required_argument, NULL, 'E' },
 		{ "quiet", no_argument, NULL, 'q' },
@@ -281,7 +348,7 @@ parse_args(int argc, char **argv, struct options *o)
 	/* getopt names the program by argv[0] in its messages; the libtool
 	 * wrapper of the build tree runs it as lt-keylock. */
 	argv[0] = (char *)PROG;
-	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhV", longopts,
+	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:", longopts,
 				NULL)) != -1) {
 		switch (c) {
 		case 'p':
@@ -292,6 +359,16 @@ parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'n':
 			o->wait_ms = 0;
+			break;
+		case 'x':
+		case 'e':
+			break; /* exclusive: what every lock is */
+		case 's':
+			usage_error("shared locks are not supported: every "
+				    "lock is exclusive (-s, --shared)");
+			break;
+		case 'c':
+			o->shell_command = optarg;
 			break;
 		case 't':
 			o->ttl_ms = parse_duration("ttl", optarg, false);
@@ -329,7 +406,24 @@ parse_args(int argc, char **argv, struct options *o)
 	n = argc - optind;
 	if (n == 0)
 		usage_error("no KEY given");
-	if (n >= 2 && strcmp(rest[1], "--") == 0) {
+	if (n >= 2 && strcmp(rest[1], "-c") == 0) {
+		/* flock's order: KEY -c STRING */
+		if (o->shell_command != NULL)
+			usage_error("-c given twice");
+		if (n != 3)
+			usage_error(n == 2 ? "no STRING given after -c"
+					   : "unexpected argument '%s' after "
+					     "-c STRING",
+				    n == 2 ? "" : shown(buf, sizeof buf,
+							rest[3]));
+		o->key = rest[0];
+		o->shell_command = rest[2];
+	} else if (o->shell_command != NULL) {
+		if (n != 1 || strcmp(rest[0], "status") == 0)
+			usage_error("-c STRING takes the place of -- COMMAND: "
+				    "nothing may follow KEY");
+		o->key = rest[0];
+	} else if (n >= 2 && strcmp(rest[1], "--") == 0) {
 		o->key = rest[0];
 		o->command = rest + 2;
 		if (n == 2)
@@ -349,6 +443,15 @@ parse_args(int argc, char **argv, struct options *o)
 	}
 	if (o->key != NULL && o->key[0] == '\0')
 		usage_error("the KEY is empty");
+	if (o->shell_command != NULL) {
+		o->sh_argv[0] = (char *)"/bin/sh";
+		o->sh_argv[1] = (char *)"-c";
+		o->sh_argv[2] = (char *)o->shell_command;
+		o->sh_argv[3] = NULL;
+		o->command = o->sh_argv;
+	}
+	if (!o->status)
+		check_key_fits(o);
 }
 
 /* ------------------------------------------------------------------ */
@@ -367,13 +470,21 @@ open_provider(const struct options *o)
 	rc = kl_provider_open(&p, o->provider, &err);
 	if (rc == KL_OK)
 		return p;
-	uri_scheme(scheme, sizeof scheme, o->provider);
 	if (err.message[0] == '\0')
 		snprintf(err.message, sizeof err.message, "%s",
 			 kl_strerror(rc));
-	if (rc == KL_EINVAL)
+	if (strcmp(uri_scheme(scheme, sizeof scheme, o->provider), "?") ==
+	    0) {
+		if (rc == KL_EINVAL)
+			usage_error("the provider URI has no scheme: expected "
+				    "local:[DIR], redis://... or "
+				    "postgresql://...");
+		note("provider: %s", err.message);
+	} else if (rc == KL_EINVAL) {
 		usage_error("provider '%s:': %s", scheme, err.message);
-	note("provider '%s:': %s", scheme, err.message);
+	} else {
+		note("provider '%s:': %s", scheme, err.message);
+	}
 	exit(rc == KL_ENOMEM ? EXIT_OSERR : EXIT_UNAVAILABLE);
 }
 
