@@ -4,19 +4,28 @@
  * redis://, postgresql://), like flock(1) or `etcdctl lock`, and reports the
  * keys' state with `keylock status`.
  *
- * Threads and signals.  SIGTERM, SIGHUP and SIGINT are blocked in main()
- * before anything else runs, so every thread the library may start inherits
- * the mask, and one thread (sig_main) takes them with sigwait.  What it does
- * with a signal depends on the phase, which it reads under sigs.mu:
- *   WAIT  the lock is being acquired: it fires the cancel token of the
- *         kl_call, the wait leaves the queue with KL_ECANCELED, and keylock
- *         dies of that signal (exit status 128+N);
- *   IDLE  acquired, no command yet: it records the signal; the command is
- *         not started, the key is released, keylock dies of the signal;
- *   RUN   it sends the signal to the command;
+ * Threads and signals.  Every signal that can be caught (but SIGCHLD and
+ * SIGCONT) is blocked in main() before anything else runs, so every thread
+ * the library may start inherits the mask, and one thread (sig_main) takes
+ * them with sigwait: no signal can end keylock, and so release the key,
+ * while the command runs.  What it does with a signal depends on the phase,
+ * which it reads under sigs.mu:
+ *   WAIT  the lock is being acquired: a signal that would end a process
+ *         fires the cancel token of the kl_call, the wait leaves the queue
+ *         with KL_ECANCELED, and keylock dies of that signal (exit status
+ *         128+N); a stop signal stops keylock; the others are ignored;
+ *   IDLE  acquired, no command yet: the same, except that the key is
+ *         released instead of the queue left;
+ *   RUN   it sends the signal to the command's process group;
  *   DONE  the command has exited: nothing changes the exit status any more.
- * The command is waited for with WNOWAIT first and marked DONE before it is
- * reaped, so a signal is never sent to a pid that may have been reused.
+ * The command runs in a process group of its own, so that a signal sent to
+ * keylock's group reaches it once, through keylock, rather than once
+ * directly and once more forwarded; and a hangup that the kernel sends to
+ * keylock alone as a session leader reaches it too.  The price is job
+ * control: keylock hands the terminal to the command's group while it
+ * runs, and mirrors its stops (follow_stop).  The command is waited for
+ * with WNOWAIT first and marked DONE before it is reaped, so a signal is
+ * never sent to a pid that may have been reused.
  *
  * The command is started with fork and execve.  execvp is not async-signal-
  * safe (it may allocate), and the child of a threaded process may only call
