@@ -565,6 +565,7 @@ static enum sig_default
 sig_default(int sig)
 {
 	switch (sig) {
+	case SIGCONT:
 	case SIGURG:
 	case SIGWINCH:
 		return SD_IGNORE;
@@ -575,6 +576,20 @@ sig_default(int sig)
 	default:
 		return SD_TERMINATE;
 	}
+}
+
+/* The controlling terminal, when keylock's process group is in its
+ * foreground (keylock then hands it to the command's group), else -1. */
+static int
+foreground_tty(void)
+{
+	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+
+	if (fd >= 0 && tcgetpgrp(fd) != getpgrp()) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
 }
 
 /* Passes sig on to the command's process group (the command and what it
@@ -616,6 +631,19 @@ sig_main(void *arg)
 				kl_cancel_fire(sigs.cancel);
 			break;
 		case PHASE_RUN:
+			/* keylock was continued: after a stop it followed
+			 * (follow_stop), or after a start in the background
+			 * (the command then stopped when it touched the
+			 * terminal).  In the foreground now, it hands the
+			 * terminal to the command before continuing it. */
+			if (sig == SIGCONT) {
+				int fd = foreground_tty();
+
+				if (fd >= 0) {
+					tcsetpgrp(fd, sigs.child);
+					close(fd);
+				}
+			}
 			forward(sigs.child, sig);
 			break;
 		case PHASE_DONE:
@@ -629,10 +657,10 @@ sig_main(void *arg)
 /* Blocks every signal keylock can catch in this thread, so in every thread
  * started later: a signal must never end keylock while the command runs,
  * since that would release the key early.  Left alone: SIGKILL and SIGSTOP
- * (they cannot be caught), SIGCHLD (the command's end is waited for) and
- * SIGCONT (it continues keylock, which continues the command itself).  A
- * signal ignored when keylock started stays ignored (as nohup(1) or a
- * shell's background job set it), for keylock and the command. */
+ * (they cannot be caught) and SIGCHLD (the command's end is waited for).
+ * A blocked SIGCONT still continues keylock.  A signal ignored when keylock
+ * started stays ignored (as nohup(1) or a shell's background job set it),
+ * for keylock and the command. */
 static void
 block_signals(void)
 {
@@ -641,8 +669,7 @@ block_signals(void)
 
 	sigemptyset(&sigs.set);
 	for (sig = 1; sig < NSIG; sig++) {
-		if (sig == SIGKILL || sig == SIGSTOP || sig == SIGCHLD ||
-		    sig == SIGCONT)
+		if (sig == SIGKILL || sig == SIGSTOP || sig == SIGCHLD)
 			continue;
 		/* Fails for the signals the C library keeps for itself. */
 		if (sigaction(sig, NULL, &sa) == 0 &&
@@ -873,42 +900,50 @@ child_exec(struct command *c, int ttyfd, int errfd)
 	_exit(err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE);
 }
 
-/* The controlling terminal, when keylock's process group is in its
- * foreground (keylock then hands it to the command's group), else -1. */
-static int
-foreground_tty(void)
-{
-	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
-
-	if (fd >= 0 && tcgetpgrp(fd) != getpgrp()) {
-		close(fd);
-		fd = -1;
-	}
-	return fd;
-}
-
-/* The command was stopped (Ctrl-Z reached its group): keylock takes the
- * terminal back and stops too, so that the shell sees its job stop; once
- * continued (fg or bg) it gives the terminal back if it is in the
- * foreground again, and continues the command.  Without a terminal of
- * its own (cron, a service, a background job) keylock does not stop: no
- * shell would continue it. */
+/* The command was stopped by stop_sig.  When that is a terminal's stop
+ * signal (Ctrl-Z, or reading or writing the terminal from the background)
+ * and keylock is a job of a shell (its parent is in its session, in
+ * another process group), keylock stops too, so that the shell sees its
+ * job stop, taking the terminal back first if the command had it; the
+ * SIGCONT that continues keylock (fg or bg) is passed on by sig_main, which
+ * hands the terminal over again when keylock is in the foreground.
+ * Otherwise (cron, a service, a stop sent to the command alone) keylock
+ * does not stop: nothing would continue it. */
 static void
-follow_stop(pid_t pid, int ttyfd)
+follow_stop(pid_t pid, int stop_sig)
 {
 	siginfo_t info;
+	pid_t parent = getppid();
+	int fd;
 
 	memset(&info, 0, sizeof info);
 	/* Consumes the report of this stop (the command is not reaped). */
 	waitid(P_PID, pid, &info, WSTOPPED | WNOHANG);
-	if (ttyfd < 0)
+	if (stop_sig != SIGTSTP && stop_sig != SIGTTIN && stop_sig != SIGTTOU)
 		return;
-	if (tcgetpgrp(ttyfd) == pid)
-		tcsetpgrp(ttyfd, getpgrp());
+	if (getsid(parent) != getsid(0) || getpgid(parent) == getpgrp())
+		return;
+	fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (fd < 0)
+		return;
+	if (tcgetpgrp(fd) == pid)
+		tcsetpgrp(fd, getpgrp());
+	close(fd);
 	kill(getpid(), SIGSTOP);
-	if (tcgetpgrp(ttyfd) == getpgrp())
-		tcsetpgrp(ttyfd, pid);
-	kill(-pid, SIGCONT);
+}
+
+/* The command has ended: the terminal goes back to keylock's group if the
+ * command's had it, as the shell that started keylock expects. */
+static void
+restore_tty(pid_t pid)
+{
+	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+
+	if (fd < 0)
+		return;
+	if (tcgetpgrp(fd) == pid)
+		tcsetpgrp(fd, getpgrp());
+	close(fd);
 }
 
 /* Runs the command and returns its exit status; *sig is set when it died
@@ -961,10 +996,10 @@ run_command(struct command *c, int *sig)
 	}
 	pthread_mutex_unlock(&sigs.mu);
 	close(fds[1]);
+	if (ttyfd >= 0)
+		close(ttyfd);
 	if (pid < 0) {
 		close(fds[0]);
-		if (ttyfd >= 0)
-			close(ttyfd);
 		note("cannot fork: %s", strerror(err));
 		return EXIT_OSERR;
 	}
@@ -983,26 +1018,19 @@ run_command(struct command *c, int *sig)
 		}
 		if (info.si_code != CLD_STOPPED)
 			break;
-		follow_stop(pid, ttyfd);
+		follow_stop(pid, info.si_status);
 	}
 	pthread_mutex_lock(&sigs.mu);
 	sigs.phase = PHASE_DONE;
 	pthread_mutex_unlock(&sigs.mu);
+	/* While the command's group still exists (it is not reaped yet). */
+	restore_tty(pid);
 	while (waitpid(pid, &status, 0) < 0)
 		if (errno != EINTR) {
 			note("cannot wait for the command: %s",
 			     strerror(errno));
-			if (ttyfd >= 0)
-				close(ttyfd);
 			return EXIT_OSERR;
 		}
-	/* The shell that started keylock expects the terminal back in its
-	 * job's group. */
-	if (ttyfd >= 0) {
-		if (tcgetpgrp(ttyfd) == pid)
-			tcsetpgrp(ttyfd, getpgrp());
-		close(ttyfd);
-	}
 
 	if (n == (ssize_t)sizeof err) {
 		note("failed to execute '%s': %s",
