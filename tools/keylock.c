@@ -246,19 +246,13 @@ parse_duration(const char *option, const char *text, bool forever_ok)
 	 * given kl_duration_parse as "0.5s" and "5.0s". */
 	if (len > 0 && strspn(text, "0123456789.") == len &&
 	    strpbrk(text, "0123456789") != NULL) {
-		bool lead = text[0] == '.', trail = text[len - 1] == '.';
-		size_t at = lead ? 1 : 0;
-
 		if ((with_unit = malloc(len + 4)) == NULL) {
 			note("out of memory");
 			exit(EXIT_OSERR);
 		}
-		with_unit[0] = '0';
-		memcpy(with_unit + at, text, len);
-		at += len;
-		if (trail)
-			with_unit[at++] = '0';
-		memcpy(with_unit + at, "s", 2);
+		snprintf(with_unit, len + 4, "%s%s%ss",
+			 text[0] == '.' ? "0" : "", text,
+			 text[len - 1] == '.' ? "0" : "");
 	}
 	rc = kl_duration_parse(with_unit != NULL ? with_unit : text, &ms);
 	free(with_unit);
@@ -292,10 +286,13 @@ parse_exit_code(const char *text)
 static void
 check_key_fits(const struct options *o)
 {
-	size_t key_len = strlen(o->key), var, total;
 	long argmax = sysconf(_SC_ARG_MAX);
+	size_t key_len, var, total;
 	char **v;
 
+	if (o->key == NULL)
+		return;
+	key_len = strlen(o->key);
 	var = sizeof "KEYLOCK_KEY=" + key_len;
 #ifdef __linux__
 	{
