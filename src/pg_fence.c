@@ -152,6 +152,8 @@ kl__pg_fence_init(struct kl__pg_fence *f, const char *value, size_t len)
 	w = snprintf(f->check, sizeof f->check,
 		     "SELECT CASE WHEN c.relkind <> 'S' THEN 1 "
 		     "WHEN c.relpersistence = 't' THEN 5 "
+		     "WHEN NOT pg_catalog.has_schema_privilege(s.oid, "
+		     "'USAGE') THEN 6 "
 		     "WHEN NOT pg_catalog.has_sequence_privilege(c.oid, "
 		     "'USAGE') THEN 2 "
 		     "WHEN NOT pg_catalog.has_sequence_privilege(c.oid, "
@@ -185,6 +187,9 @@ kl__pg_fence_problem(int code)
 	case KL__PG_FENCE_SHAPE:
 		return "must be a bigint sequence with INCREMENT > 0, CACHE 1, "
 		       "NO CYCLE and the default MAXVALUE";
+	case KL__PG_FENCE_NO_SCHEMA:
+		return "is in a schema this role may not use (GRANT USAGE ON "
+		       "SCHEMA)";
 	case KL__PG_FENCE_TEMP:
 		return "is a temporary sequence, which no other session sees";
 	default:

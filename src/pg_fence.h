@@ -33,6 +33,7 @@ struct kl__pg_fence {
 #define KL__PG_FENCE_NO_UPDATE 3
 #define KL__PG_FENCE_SHAPE 4
 #define KL__PG_FENCE_TEMP 5
+#define KL__PG_FENCE_NO_SCHEMA 6
 
 /* Sets f from a fence_sequence value (len bytes, percent-encoded as in a
  * URI query), or from KL__PG_FENCE_DEFAULT when value is NULL.  0, or -1
