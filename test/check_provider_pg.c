@@ -1355,6 +1355,7 @@ START_TEST(test_roles_share_one_fence_sequence)
 	for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
 		uri_user_db(ub, sizeof ub, g_uri, rb, db, refused[i].extra);
 		open_fails(ub, KL_EPROVIDER, 10000, msg, sizeof msg);
+		printf("refused: %s\n", msg);
 		ck_assert_msg(strstr(msg, strchr(refused[i].extra, '=') + 1) !=
 					      NULL &&
 				      strstr(msg, refused[i].want) != NULL,
@@ -1605,6 +1606,83 @@ START_TEST(test_authentication_failures)
 		ck_assert_msg(strstr(msg, pw) == NULL, "password in: %s", msg);
 	}
 	PQconninfoFree(opts);
+}
+END_TEST
+
+/*
+ * sslmode=verify-full end to end (issue 16, item 11), against a server
+ * with a certificate for 127.0.0.1 and localhost signed by a throwaway CA
+ * (tools/test stage pg makes them: KEYLOCK_TEST_PG_SSL_CA, and
+ * KEYLOCK_TEST_PG_SSL_WRONG_CA, a CA that signed nothing).  The sessions
+ * of a provider that trusts the CA use TLS; one that trusts the other CA,
+ * or reaches the server by a name the certificate does not carry, is
+ * refused with KL_EPROVIDER saying why, and no password.
+ */
+START_TEST(test_tls_verify_full)
+{
+	const char *ca = getenv("KEYLOCK_TEST_PG_SSL_CA"),
+		   *wrong = getenv("KEYLOCK_TEST_PG_SSL_WRONG_CA"),
+		   *key = new_key("tls"), *base, *pw = "canary-Pw-4471";
+	char extra[1200], app[48], sql[512], uri[2400], msg[400];
+	kl_provider *p;
+	struct hold h;
+
+	if (ca == NULL || ca[0] == '\0' || wrong == NULL || wrong[0] == '\0') {
+		printf("note: KEYLOCK_TEST_PG_SSL_CA or _WRONG_CA unset: the "
+		       "TLS test is not run\n");
+		return;
+	}
+	snprintf(app, sizeof app, "kl-tls-%d", (int)getpid());
+	snprintf(extra, sizeof extra,
+		 "sslmode=verify-full&sslrootcert=%s&application_name=%s", ca,
+		 app);
+	p = open_pg(extra);
+	take_ok(p, key, &h);
+	snprintf(sql, sizeof sql,
+		 "SELECT count(*) FILTER (WHERE s.ssl) * 1000 + "
+		 "count(*) FILTER (WHERE NOT s.ssl) FROM pg_stat_ssl s JOIN "
+		 "pg_stat_activity a USING (pid) WHERE a.application_name = "
+		 "'%s'",
+		 app);
+	ck_assert_int_eq(admin_int(sql), 2000); /* the lease's and aux */
+	drop(&h);
+	kl_provider_free(p);
+
+	/* The other CA: refused.  With the password-checked role when there
+	 * is one, so that the URI carries a real password. */
+	base = g_auth_uri != NULL ? g_auth_uri : g_uri;
+	snprintf(extra, sizeof extra, "sslmode=verify-full&sslrootcert=%s",
+		 wrong);
+	uri_with(uri, sizeof uri, base, extra);
+	open_fails(uri, KL_EPROVIDER, 10000, msg, sizeof msg);
+	printf("wrong CA: %s\n", msg);
+	ck_assert_msg(strstr(msg, "certificate") != NULL, "%s", msg);
+	if (g_auth_uri != NULL) {
+		PQconninfoOption *o = PQconninfoParse(g_auth_uri, NULL);
+
+		ck_assert_ptr_nonnull(o);
+		for (PQconninfoOption *q = o; q->keyword != NULL; q++)
+			if (strcmp(q->keyword, "password") == 0 &&
+			    q->val != NULL)
+				ck_assert_msg(strstr(msg, q->val) == NULL,
+					      "password in: %s", msg);
+		PQconninfoFree(o);
+	}
+	uri_as(sql, sizeof sql, g_uri, "kl_user", pw);
+	uri_with(uri, sizeof uri, sql, extra);
+	open_fails(uri, KL_EPROVIDER, 10000, msg, sizeof msg);
+	ck_assert_msg(strstr(msg, pw) == NULL, "password in: %s", msg);
+
+	/* The right CA, a name the certificate does not carry (the address
+	 * is 127.0.0.1 all the same). */
+	snprintf(extra, sizeof extra,
+		 "sslmode=verify-full&sslrootcert=%s&host=kl-not-in-cert."
+		 "invalid&hostaddr=127.0.0.1",
+		 ca);
+	uri_with(uri, sizeof uri, g_uri, extra);
+	open_fails(uri, KL_EPROVIDER, 10000, msg, sizeof msg);
+	ck_assert_msg(strstr(msg, "kl-not-in-cert.invalid") != NULL, "%s",
+		      msg);
 }
 END_TEST
 
@@ -2016,6 +2094,7 @@ provider_pg_suite(void)
 	tcase_add_test(tc, test_unreachable_server);
 	tcase_add_test(tc, test_bad_uris);
 	tcase_add_test(tc, test_authentication_failures);
+	tcase_add_test(tc, test_tls_verify_full);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("fork");
