@@ -1625,7 +1625,11 @@ START_TEST(test_tls_verify_full)
 		   *key = new_key("tls"), *base, *pw = "canary-Pw-4471";
 	char extra[1200], app[48], sql[512], uri[2400], msg[400];
 	kl_provider *p;
-	struct hold h;
+	struct hold h, h2;
+	struct waiter *w;
+	kl_cancel *c;
+	kl_error err;
+	int rc;
 
 	if (ca == NULL || ca[0] == '\0' || wrong == NULL || wrong[0] == '\0') {
 		printf("note: KEYLOCK_TEST_PG_SSL_CA or _WRONG_CA unset: the "
@@ -1645,6 +1649,24 @@ START_TEST(test_tls_verify_full)
 		 "'%s'",
 		 app);
 	ck_assert_int_eq(admin_int(sql), 2000); /* the lease's and aux */
+	/* A wait timed out by the server, and one canceled by PQcancel
+	 * (whose request goes on a connection of its own), over TLS. */
+	rc = take(p, key, 200, NULL, &h2, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "%s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	w = waiter_start(p, key, KL_FOREVER, c, false, NULL);
+	wait_status(p, key, 1, 1);
+	kl_cancel_fire(c);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_ECANCELED, "%s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	waiter_free(w);
+	kl_cancel_free(c);
+	drop(&h);
+	wait_server_locks(key, 0, 0);
+	take_ok(p, key, &h);
+	ck_assert_int_eq(admin_int(sql) % 1000, 0); /* all TLS */
 	drop(&h);
 	kl_provider_free(p);
 
