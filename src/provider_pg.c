@@ -994,8 +994,8 @@ lock_answer(struct pg *p, struct conn *c, int rc, const struct answer *a,
 		}
 		if (strcmp(a->sqlstate, "55P03") == 0) {
 			/* lock_timeout.  Mostly the advisory lock's wait;
-			 * but nextval may have waited too (for a lock on
-			 * the sequence) after the grant, and a session lock
+			 * but the draw may have waited too (for the
+			 * floor's lock, src/pg_fence.c) after the grant, and a session lock
 			 * outlives its failed transaction: drop what the
 			 * session holds, which can only be this key. */
 			if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
@@ -1075,7 +1075,8 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 		c->broken = true;
 	if (rc == KL_ETIMEDOUT) {
 		/* The lock_timeout an earlier wait left (or a server
-		 * default) cut nextval short: the sequence was locked.  The
+		 * default) cut the draw short: a new session was flooring
+		 * the sequence.  The
 		 * key was dropped; not the caller's timeout: wait as for a
 		 * taken key. */
 		rc = c->broken ? fail(p, err, KL_EPROVIDER,
@@ -1112,8 +1113,9 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 	}
 	/* One round trip, one implicit transaction, one statement for the
 	 * lock and the fence: the CTE (never inlined: it calls a volatile
-	 * function) is read before nextval runs, so the fence is drawn only
-	 * once the lock is granted, and not at all when the wait fails.  A
+	 * function) is read before the draw (a subquery, run when the row
+	 * is), so the fence is drawn, and the floor's lock taken, only once
+	 * the lock is granted, and not at all when the wait fails.  A
 	 * SET, a statement of its own, is sent only when the session may
 	 * not have that value yet. */
 	sent_st = !c->no_statement_timeout;
