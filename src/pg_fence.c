@@ -68,6 +68,8 @@ put_quoted(char *out, size_t size, size_t *at, const char *s, size_t n,
 			out[o++] = s[i];
 		out[o++] = s[i];
 	}
+	if (o + 2 > size)
+		return -1;
 	out[o++] = close;
 	out[o] = '\0';
 	*at = o;

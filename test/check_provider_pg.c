@@ -1526,6 +1526,21 @@ START_TEST(test_bad_uris)
 		   sizeof msg);
 	open_fails("postgresql://h/db?connect_timeout=x", KL_EINVAL, 1000, msg,
 		   sizeof msg);
+	/* fence_sequence is schema.name, each part 1 to 63 bytes. */
+	open_fails("postgresql://h/db?fence_sequence=keylock_fence", KL_EINVAL,
+		   1000, msg, sizeof msg);
+	open_fails("postgresql://h/db?fence_sequence=public.", KL_EINVAL, 1000,
+		   msg, sizeof msg);
+	open_fails("postgresql://h/db?fence_sequence=.keylock_fence",
+		   KL_EINVAL, 1000, msg, sizeof msg);
+	open_fails("postgresql://h/db?fence_sequence=public.a%zz", KL_EINVAL,
+		   1000, msg, sizeof msg);
+	open_fails("postgresql://h/db?fence_sequence=public.a%00b", KL_EINVAL,
+		   1000, msg, sizeof msg);
+	open_fails("postgresql://h/db?fence_sequence=public."
+		   "a123456789b123456789c123456789d123456789e123456789"
+		   "f123456789abcd",
+		   KL_EINVAL, 1000, msg, sizeof msg);
 	/* A password libpq cannot decode is quoted in its message: masked. */
 	open_fails("postgresql://u:canary%zzSecret@h/db", KL_EINVAL, 1000, msg,
 		   sizeof msg);
