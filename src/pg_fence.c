@@ -89,7 +89,7 @@ literal(char *out, size_t size, const char *s, size_t n)
 int
 kl__pg_fence_init(struct kl__pg_fence *f, const char *value, size_t len)
 {
-	char name[2 * NAME_MAX_BYTES + 2], schema_lit[2 * NAME_MAX_BYTES + 4],
+	char name[2 * NAME_MAX_BYTES + 2] = { 0 }, schema_lit[2 * NAME_MAX_BYTES + 4],
 		rel_lit[2 * NAME_MAX_BYTES + 4];
 	const char *dot;
 	size_t n = 0, at = 0, slen;
