@@ -89,8 +89,9 @@ literal(char *out, size_t size, const char *s, size_t n)
 int
 kl__pg_fence_init(struct kl__pg_fence *f, const char *value, size_t len)
 {
-	char name[2 * NAME_MAX_BYTES + 2] = { 0 }, schema_lit[2 * NAME_MAX_BYTES + 4],
-		rel_lit[2 * NAME_MAX_BYTES + 4];
+	char name[2 * NAME_MAX_BYTES + 2] = { 0 };
+	char schema_lit[2 * NAME_MAX_BYTES + 4];
+	char rel_lit[2 * NAME_MAX_BYTES + 4];
 	const char *dot;
 	size_t n = 0, at = 0, slen;
 	int hi, lo, w;

@@ -942,7 +942,8 @@ lock_error(struct pg *p, struct conn *c, const struct answer *a,
  * same statement, draws a fence only once it has it (CASE); STMT_UNLOCK
  * releases.
  */
-#define TRY_SQL "SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(%s) THEN %s END"
+#define TRY_SQL                                                              \
+	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(%s) THEN %s END"
 
 static int
 make_setup_sql(struct pg *p)
@@ -956,8 +957,8 @@ make_setup_sql(struct pg *p)
 	n = snprintf(p->setup_sql, sizeof p->setup_sql,
 		     "SET statement_timeout = 0; SET synchronous_commit = off; "
 		     "PREPARE " STMT_TRY "(bigint) AS %s; PREPARE " STMT_UNLOCK
-		     "(bigint) AS SELECT pg_catalog.pg_advisory_unlock($1)::int; "
-		     "%s",
+		     "(bigint) AS SELECT "
+		     "pg_catalog.pg_advisory_unlock($1)::int; %s",
 		     try, p->fence.floor);
 	return n < 0 || (size_t)n >= sizeof p->setup_sql ? -1 : 0;
 }
@@ -998,9 +999,10 @@ lock_answer(struct pg *p, struct conn *c, int rc, const struct answer *a,
 		if (strcmp(a->sqlstate, "55P03") == 0) {
 			/* lock_timeout.  Mostly the advisory lock's wait;
 			 * but the draw may have waited too (for the
-			 * floor's lock, src/pg_fence.c) after the grant, and a session lock
-			 * outlives its failed transaction: drop what the
-			 * session holds, which can only be this key. */
+			 * floor's lock, src/pg_fence.c) after the grant,
+			 * and a session lock outlives its failed
+			 * transaction: drop what the session holds, which
+			 * can only be this key. */
 			if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
 				c->broken = true;
 			else

@@ -2065,8 +2065,8 @@ START_TEST(test_fences_grow_across_a_crash)
 	f = kl_lease_fence(h.lease);
 	drop(&h);
 	ck_assert_msg(f > last,
-		      "fence %" PRIu64 " after the crash, %" PRIu64 " before", f,
-		      last);
+		      "fence %" PRIu64 " after the crash, %" PRIu64 " before",
+		      f, last);
 	kl_provider_free(p);
 }
 END_TEST

@@ -10,8 +10,9 @@
  *     compare-and-delete script (Redis), pg_try_advisory_lock then
  *     pg_advisory_unlock (PostgreSQL).  Target: at least 0.8 times the
  *     raw rate for Redis, 0.9 for PostgreSQL (whose figures depend on
- *     the server's durability settings, printed with them).  Each figure is the median over --runs repetitions (every
- *     other one in reverse order); the ratio is the median of the
+ *     the server's durability settings, printed with them).  Each
+ *     figure is the median over --runs repetitions (every other one in
+ *     reverse order); the ratio is the median of the
  *     per-repetition ratios, so a slow phase of the machine hits both
  *     sides alike.
  *
@@ -942,11 +943,10 @@ print_text(void)
 static void
 print_json(void)
 {
-	printf("{\"scheme\":\"%s\",\"server\":\"%s\",\"quick\":%s,\"runs\":%d,\"ops\":%d,"
-	       "\"rounds\":%d,",
+	printf("{\"scheme\":\"%s\",\"server\":\"%s\",\"quick\":%s,"
+	       "\"runs\":%d,\"ops\":%d,\"rounds\":%d,",
 	       scheme_name, server_desc, opt.quick ? "true" : "false", opt.runs,
-	       opt.ops,
-	       opt.rounds);
+	       opt.ops, opt.rounds);
 	printf("\"ops_per_s\":{\"keylock_one_key\":%.0f,"
 	       "\"keylock_distinct_keys\":%.0f,\"raw_one_key\":%.0f,"
 	       "\"raw_distinct_keys\":%.0f},",
