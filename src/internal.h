@@ -266,6 +266,12 @@ struct kl_provider {
 /* provider_local.c: opens the local provider on dir ("" = the default). */
 KL_HIDDEN int kl__local_provider_open(kl_provider **out, const char *dir,
 				      kl_error *err);
+/* local_path.c: opens the state directory path (made, 0700, when only its
+ * last name is missing) name by name without following links, refusing it
+ * unless every ancestor is safe from other users; *abs gets its absolute
+ * normalized path (kl__free it).  KL_OK, KL_ENOMEM or KL_EPROVIDER. */
+KL_HIDDEN int kl__local_dir_open(const char *path, int *dirfd, char **abs,
+				 kl_error *err);
 
 /* Fills err (may be NULL) with status and a printf-style message. */
 KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)
