@@ -12,14 +12,19 @@
  * caller and writable by nobody else, except a sticky directory such as
  * /tmp (others cannot rename or remove what is ours in it).  The state
  * directory itself must be the caller's and writable by nobody else.
+ *
+ * Also here: the default directory, and the directory's secret that keys
+ * the names of its files.
  */
 #include "config.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -220,4 +225,150 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 	*dirfd = fd;
 	*abs = norm;
 	return KL_OK;
+}
+
+/*
+ * The default directory, one that no other user can make first: root's is
+ * /run/keylock (only root can create in /run; the Debian package ships it
+ * through tmpfiles.d), another user's $XDG_RUNTIME_DIR/keylock, else
+ * /run/user/UID/keylock when logind made /run/user/UID.  No fallback in a
+ * world-writable place such as /tmp: another user could make it first and
+ * deny the key to everyone.  KL_EPROVIDER with err filled when there is
+ * none.
+ */
+int
+kl__local_default_dir(char **out, kl_error *err)
+{
+	const char *xdg = getenv("XDG_RUNTIME_DIR"); /* NOLINT */
+	char buf[4096];
+	struct stat st;
+	int n;
+
+	*out = NULL;
+	if (geteuid() == 0) {
+		n = snprintf(buf, sizeof buf, "/run/keylock");
+	} else if (xdg != NULL && xdg[0] == '/') {
+		n = snprintf(buf, sizeof buf, "%s/keylock", xdg);
+	} else {
+		n = snprintf(buf, sizeof buf, "/run/user/%lu",
+			     (unsigned long)geteuid());
+		if (stat(buf, &st) != 0) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: no default state "
+				      "directory: XDG_RUNTIME_DIR is not set "
+				      "and %s does not exist; name one with "
+				      "local:DIR",
+				      buf);
+			return KL_EPROVIDER;
+		}
+		n = snprintf(buf, sizeof buf, "/run/user/%lu/keylock",
+			     (unsigned long)geteuid());
+	}
+	if (n < 0 || (size_t)n >= sizeof buf) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "local provider: XDG_RUNTIME_DIR is too long");
+		return KL_EPROVIDER;
+	}
+	*out = kl__strndup(buf, strlen(buf));
+	return *out != NULL ? KL_OK : KL_ENOMEM;
+}
+
+/* Reads the secret: 16 bytes in a regular file of ours, mode 0600, with
+ * one link.  fd < 0 on return: absent (-ENOENT), or refused (-EPERM, err
+ * filled). */
+static int
+secret_read(int dirfd, const char *path, unsigned char *key, kl_error *err)
+{
+	struct stat st;
+	int fd = openat(dirfd, KL_LOCAL_SECRET,
+			O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK |
+				O_NOCTTY);
+
+	if (fd < 0)
+		return errno == ENOENT ? -ENOENT : -errno;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+	    st.st_uid != geteuid() || st.st_nlink != 1 ||
+	    (st.st_mode & 077) != 0 || st.st_size != KL_LOCAL_SECRET_LEN ||
+	    pread(fd, key, KL_LOCAL_SECRET_LEN, 0) != KL_LOCAL_SECRET_LEN) {
+		close(fd);
+		kl__error_set(err, KL_EPROVIDER,
+			      "local provider: refusing %s/%s: not %d bytes "
+			      "in a regular file of uid %lu, mode 0600, with "
+			      "one link (damaged or planted); remove it once "
+			      "no process uses the directory",
+			      path, KL_LOCAL_SECRET, KL_LOCAL_SECRET_LEN,
+			      (unsigned long)geteuid());
+		return -EPERM;
+	}
+	close(fd);
+	return 0;
+}
+
+/* The directory's secret, made first when there is none: a temporary file
+ * made with O_EXCL and renamed into place only if no other process got
+ * there first, so that nobody ever reads half a secret. */
+int
+kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
+		 kl_error *err)
+{
+	static atomic_uint seq;
+	unsigned char key[KL_LOCAL_SECRET_LEN];
+	char tmp[64];
+	ssize_t n;
+	int fd, r;
+
+	for (int tries = 0; tries < 100; tries++) {
+		r = secret_read(dirfd, path, key, err);
+		if (r == 0) {
+			memcpy(k0, key, 8);
+			memcpy(k1, key + 8, 8);
+			return KL_OK;
+		}
+		if (r == -EPERM)
+			return KL_EPROVIDER;
+		if (r != -ENOENT) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: cannot open %s/%s: %s",
+				      path, KL_LOCAL_SECRET, strerror(-r));
+			return KL_EPROVIDER;
+		}
+		if (getrandom(key, sizeof key, 0) != (ssize_t)sizeof key) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: cannot get random "
+				      "bytes for %s/%s: %s",
+				      path, KL_LOCAL_SECRET, strerror(errno));
+			return KL_EPROVIDER;
+		}
+		snprintf(tmp, sizeof tmp, "%s.%ld.%u", KL_LOCAL_SECRET,
+			 (long)getpid(), atomic_fetch_add(&seq, 1));
+		fd = openat(dirfd, tmp,
+			    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
+				    O_CLOEXEC | O_NOCTTY,
+			    0600);
+		if (fd < 0) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: cannot create %s/%s: %s",
+				      path, tmp, strerror(errno));
+			return KL_EPROVIDER;
+		}
+		n = write(fd, key, sizeof key);
+		r = close(fd);
+		if (n != (ssize_t)sizeof key || r != 0 ||
+		    (renameat2(dirfd, tmp, dirfd, KL_LOCAL_SECRET,
+			       RENAME_NOREPLACE) != 0 &&
+		     errno != EEXIST)) {
+			int e = errno;
+
+			unlinkat(dirfd, tmp, 0);
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: cannot make %s/%s: %s",
+				      path, KL_LOCAL_SECRET, strerror(e));
+			return KL_EPROVIDER;
+		}
+		unlinkat(dirfd, tmp, 0); /* when another process won */
+	}
+	kl__error_set(err, KL_EPROVIDER,
+		      "local provider: %s/%s keeps changing", path,
+		      KL_LOCAL_SECRET);
+	return KL_EPROVIDER;
 }

@@ -66,13 +66,11 @@
 #include <inttypes.h>
 #include <poll.h>
 #include <pthread.h>
-#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
 #include <sys/inotify.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -85,8 +83,6 @@
 				* drops its ticket */
 #define MAX_TICKETS (1u << 20) /* more tickets in use: damaged state */
 #define QUEUE_MAGIC 0x314b4c51514b4c4bULL
-#define SECRET_NAME "secret"
-#define SECRET_LEN 16
 #define POOL_MAX 4 /* inotify descriptors kept per provider */
 
 /*
@@ -818,121 +814,6 @@ static const kl_provider_ops local_ops = {
 	.watch = local_watch,
 };
 
-/*
- * The default directory, one that no other user can make first: root's is
- * /run/keylock (only root can create in /run; the Debian package ships it
- * through tmpfiles.d), another user's $XDG_RUNTIME_DIR/keylock, else
- * /run/user/UID/keylock when logind made /run/user/UID.  No fallback in a
- * world-writable place such as /tmp: another user could make it first and
- * deny the key to everyone.  KL_EPROVIDER with err filled when there is
- * none.
- */
-static int
-default_dir(char **out, kl_error *err)
-{
-	const char *xdg = getenv("XDG_RUNTIME_DIR"); /* NOLINT */
-	char buf[4096];
-	struct stat st;
-	int n;
-
-	if (geteuid() == 0)
-		n = snprintf(buf, sizeof buf, "/run/keylock");
-	else if (xdg != NULL && xdg[0] == '/')
-		n = snprintf(buf, sizeof buf, "%s/keylock", xdg);
-	else {
-		n = snprintf(buf, sizeof buf, "/run/user/%lu",
-			     (unsigned long)geteuid());
-		if (stat(buf, &st) != 0) {
-			kl__error_set(err, KL_EPROVIDER,
-				      "local provider: no default state "
-				      "directory: XDG_RUNTIME_DIR is not set "
-				      "and %s does not exist; name one with "
-				      "local:DIR",
-				      buf);
-			return KL_EPROVIDER;
-		}
-		n = snprintf(buf, sizeof buf, "/run/user/%lu/keylock",
-			     (unsigned long)geteuid());
-	}
-	if (n < 0 || (size_t)n >= sizeof buf) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "local provider: XDG_RUNTIME_DIR is too long");
-		return KL_EPROVIDER;
-	}
-	*out = kl__strndup(buf, strlen(buf));
-	return *out != NULL ? KL_OK : KL_ENOMEM;
-}
-
-/* Reads the directory's secret, making it first when there is none: a
- * temporary file made with O_EXCL, renamed into place only if no other
- * process got there first, so nobody ever reads half a secret. */
-static int
-load_secret(struct local *lp, kl_error *err)
-{
-	static atomic_uint seq;
-	unsigned char key[SECRET_LEN];
-	char tmp[64];
-	struct stat st;
-	ssize_t n;
-	int fd;
-
-	for (int tries = 0; tries < 100; tries++) {
-		fd = open_checked(lp, SECRET_NAME, O_RDONLY, err);
-		if (fd >= 0) {
-			if (fstat(fd, &st) != 0 || st.st_size != SECRET_LEN ||
-			    (st.st_mode & 077) != 0 ||
-			    (n = pread(fd, key, sizeof key, 0)) !=
-				    (ssize_t)sizeof key) {
-				close(fd);
-				kl__error_set(err, KL_EPROVIDER,
-					      "local provider: %s/%s is "
-					      "damaged (not %d bytes of "
-					      "mode 0600); remove it once "
-					      "no process uses the "
-					      "directory",
-					      lp->path, SECRET_NAME,
-					      SECRET_LEN);
-				return KL_EPROVIDER;
-			}
-			close(fd);
-			memcpy(&lp->k0, key, 8);
-			memcpy(&lp->k1, key + 8, 8);
-			return KL_OK;
-		}
-		if (fd == -EPERM)
-			return KL_EPROVIDER;
-		if (fd != -ENOENT && fd != -EAGAIN)
-			return fail_file(lp, err, "cannot open", SECRET_NAME,
-					 -fd);
-		if (getrandom(key, sizeof key, 0) != (ssize_t)sizeof key)
-			return fail(err, KL_EPROVIDER,
-				    "cannot get random bytes for the "
-				    "directory's secret",
-				    errno);
-		snprintf(tmp, sizeof tmp, "%s.%ld.%u", SECRET_NAME,
-			 (long)getpid(), atomic_fetch_add(&seq, 1));
-		fd = openat(lp->dirfd, tmp,
-			    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
-				    O_CLOEXEC | O_NOCTTY,
-			    0600);
-		if (fd < 0)
-			return fail_file(lp, err, "cannot create", tmp, errno);
-		n = write(fd, key, sizeof key);
-		if (close(fd) != 0 || n != (ssize_t)sizeof key ||
-		    (renameat2(lp->dirfd, tmp, lp->dirfd, SECRET_NAME,
-			       RENAME_NOREPLACE) != 0 &&
-		     errno != EEXIST)) {
-			int e = errno;
-
-			unlinkat(lp->dirfd, tmp, 0);
-			return fail_file(lp, err, "cannot make", SECRET_NAME,
-					 e);
-		}
-		unlinkat(lp->dirfd, tmp, 0); /* when another one won */
-	}
-	return fail_file(lp, err, "cannot read", SECRET_NAME, EAGAIN);
-}
-
 int
 kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 {
@@ -945,7 +826,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	if (dir[0] != '\0') {
 		if ((path = kl__strndup(dir, strlen(dir))) == NULL)
 			return KL_ENOMEM;
-	} else if ((rc = default_dir(&path, err)) != KL_OK) {
+	} else if ((rc = kl__local_default_dir(&path, err)) != KL_OK) {
 		return rc;
 	}
 	if ((lp = kl__calloc(1, sizeof *lp)) == NULL) {
@@ -965,7 +846,8 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	}
 	lp->dev = st.st_dev;
 	lp->ino = st.st_ino;
-	if ((rc = load_secret(lp, err)) != KL_OK)
+	if ((rc = kl__local_secret(lp->dirfd, lp->path, &lp->k0, &lp->k1,
+				   err)) != KL_OK)
 		goto fail;
 	if (pthread_mutex_init(&lp->pool_lock, NULL) != 0) {
 		rc = KL_ENOMEM;
