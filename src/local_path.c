@@ -170,17 +170,29 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 				next = openat(fd, p, NO_LINK);
 		}
 		if (next < 0) {
+			bool link;
+
 			rc = errno;
+			link = fstatat(fd, p, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+			       S_ISLNK(st.st_mode);
 			close(fd);
-			kl__error_set(err, KL_EPROVIDER,
-				      "local provider: cannot open %s%s: %s%s",
-				      norm, last ? " as the state directory" : "",
-				      strerror(rc),
-				      rc == ELOOP || rc == ENOTDIR
-					      ? " (symbolic links are not "
-						"followed: name the real "
-						"directory)"
-					      : "");
+			if (link)
+				kl__error_set(err, KL_EPROVIDER,
+					      "local provider: refusing the "
+					      "state directory %s: %s is a "
+					      "symbolic link, which is not "
+					      "followed (another user could "
+					      "change it); name the real "
+					      "directory",
+					      path, norm);
+			else
+				kl__error_set(err, KL_EPROVIDER,
+					      "local provider: cannot open "
+					      "%s%s: %s",
+					      norm,
+					      last ? " as the state directory"
+						   : "",
+					      strerror(rc));
 			kl__free(norm);
 			return KL_EPROVIDER;
 		}
