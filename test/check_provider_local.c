@@ -2965,6 +2965,8 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_idle_keys_leave_nothing);
 	tcase_add_test(tc, test_idle_removal_race);
 	tcase_add_test(tc, test_secret_names);
+
+	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
 
 	tc = tcase_new(s, "crash", 600);
