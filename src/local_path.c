@@ -32,6 +32,10 @@
 
 #define NO_LINK (O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC)
 
+/* strerror, thread-safe (GNU strerror_r); the text lives in buf or is
+ * static. */
+#define ERRTEXT(e) strerror_r((e), errbuf, sizeof errbuf)
+
 /* The absolute, normalized form of path (a fresh string), or NULL (errno
  * set). */
 static char *
@@ -114,6 +118,7 @@ ancestor_safe(const struct stat *st)
 int
 kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 {
+	char errbuf[128];
 	char *norm, *p;
 	struct stat st;
 	int fd, next, rc;
@@ -126,7 +131,7 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 		kl__error_set(err, KL_EPROVIDER,
 			      "local provider: cannot resolve the state "
 			      "directory %s: %s",
-			      path, strerror(errno));
+			      path, ERRTEXT(errno));
 		return KL_EPROVIDER;
 	}
 	if (norm[0] == '\0') {
@@ -142,7 +147,7 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 			close(fd);
 		kl__error_set(err, KL_EPROVIDER,
 			      "local provider: cannot open /: %s",
-			      strerror(rc));
+			      ERRTEXT(rc));
 		kl__free(norm);
 		return KL_EPROVIDER;
 	}
@@ -192,7 +197,7 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 					      norm,
 					      last ? " as the state directory"
 						   : "",
-					      strerror(rc));
+					      ERRTEXT(rc));
 			kl__free(norm);
 			return KL_EPROVIDER;
 		}
@@ -203,7 +208,7 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 			close(fd);
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot stat %s: %s", norm,
-				      strerror(rc));
+				      ERRTEXT(rc));
 			kl__free(norm);
 			return KL_EPROVIDER;
 		}
@@ -262,8 +267,8 @@ kl__local_default_dir(char **out, kl_error *err)
 	} else if (xdg != NULL && xdg[0] == '/') {
 		n = snprintf(buf, sizeof buf, "%s/keylock", xdg);
 	} else {
-		n = snprintf(buf, sizeof buf, "/run/user/%lu",
-			     (unsigned long)geteuid());
+		snprintf(buf, sizeof buf, "/run/user/%lu",
+			 (unsigned long)geteuid());
 		if (stat(buf, &st) != 0) {
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: no default state "
@@ -323,6 +328,7 @@ int
 kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
 		 kl_error *err)
 {
+	char errbuf[128];
 	static atomic_uint seq;
 	unsigned char key[KL_LOCAL_SECRET_LEN];
 	char tmp[64];
@@ -341,14 +347,14 @@ kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
 		if (r != -ENOENT) {
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot open %s/%s: %s",
-				      path, KL_LOCAL_SECRET, strerror(-r));
+				      path, KL_LOCAL_SECRET, ERRTEXT(-r));
 			return KL_EPROVIDER;
 		}
 		if (getrandom(key, sizeof key, 0) != (ssize_t)sizeof key) {
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot get random "
 				      "bytes for %s/%s: %s",
-				      path, KL_LOCAL_SECRET, strerror(errno));
+				      path, KL_LOCAL_SECRET, ERRTEXT(errno));
 			return KL_EPROVIDER;
 		}
 		snprintf(tmp, sizeof tmp, "%s.%ld.%u", KL_LOCAL_SECRET,
@@ -360,7 +366,7 @@ kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
 		if (fd < 0) {
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot create %s/%s: %s",
-				      path, tmp, strerror(errno));
+				      path, tmp, ERRTEXT(errno));
 			return KL_EPROVIDER;
 		}
 		n = write(fd, key, sizeof key);
@@ -374,7 +380,7 @@ kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
 			unlinkat(dirfd, tmp, 0);
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot make %s/%s: %s",
-				      path, KL_LOCAL_SECRET, strerror(e));
+				      path, KL_LOCAL_SECRET, ERRTEXT(e));
 			return KL_EPROVIDER;
 		}
 		unlinkat(dirfd, tmp, 0); /* when another process won */
