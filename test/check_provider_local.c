@@ -5,9 +5,16 @@
  * fences, keys of any bytes kept inside the directory, strict FIFO across
  * threads and across processes, timeouts, cancellation, a waiter giving up
  * at the head of the queue, processes killed while holding or waiting, and
- * planted files (symlinks, FIFOs, foreign files) that must be refused rather
- * than followed.  Built with -DKL_TEST_HOOKS -I src: it computes the state
- * file names with kl__siphash, as the provider does.
+ * planted files (symlinks, FIFOs, foreign files, hard links) that must be
+ * refused rather than followed; and the cases of issue 15: ancestors of the
+ * state directory that another user could change, a symlink with a
+ * trailing slash, fences across removed state, the directory replaced
+ * under a holder, a process stopped with the queue lock held, damaged
+ * queue files, idle keys leaving no file, the directory's secret, root's
+ * default directory (in a private mount namespace) and the hand-off
+ * latency.  Built with -DKL_TEST_HOOKS -I src: it computes the state file
+ * names with kl__siphash and the directory's secret, as the provider
+ * does.
  *
  * Every test gets a fresh private parent directory (mkdtemp) holding the
  * state directory "state" (0700), both removed at the end.  Other processes
