@@ -281,8 +281,11 @@ write_state(int qfd, const struct qstate *st)
 static int
 qlock(int qfd, int64_t deadline, kl_cancel *cancel)
 {
-	int64_t sleep_ns = 20000, now;
+	int64_t backoff = 20000, ns, now;
+	struct timespec ts;
 
+	/* The lock is normally held for microseconds: start with short
+	 * sleeps, growing to 2 ms for a holder that is stuck. */
 	for (;;) {
 		if (flock(qfd, LOCK_EX | LOCK_NB) == 0)
 			return KL_OK;
@@ -295,18 +298,14 @@ qlock(int qfd, int64_t deadline, kl_cancel *cancel)
 		now = kl__now_ns();
 		if (deadline != KL_NO_DEADLINE && now >= deadline)
 			return KL_ETIMEDOUT;
-		{
-			int64_t ns = sleep_ns;
-			struct timespec ts;
-
-			if (deadline != KL_NO_DEADLINE && deadline - now < ns)
-				ns = deadline - now;
-			ts.tv_sec = 0;
-			ts.tv_nsec = (long)ns;
-			nanosleep(&ts, NULL);
-		}
-		if (sleep_ns < 2000000)
-			sleep_ns *= 2;
+		ns = backoff;
+		if (deadline != KL_NO_DEADLINE && deadline - now < ns)
+			ns = deadline - now;
+		ts.tv_sec = 0;
+		ts.tv_nsec = (long)ns;
+		nanosleep(&ts, NULL);
+		if (backoff < 2000000)
+			backoff *= 2;
 	}
 }
 
