@@ -13,7 +13,9 @@
  * no password in the message; host name and address mismatches refused;
  * plain redis:// to a TLS-only port failing at once with a hint, not by a
  * timeout; a handshake with a server that never answers ending by the
- * timeout; client certificates; the tls_* options' errors.  A build
+ * timeout; renewal over TLS; a stopped server (SIGSTOP) failing a command
+ * by its deadline and a new TLS connection afterwards; client
+ * certificates; the tls_* options' errors.  A build
  * without OpenSSL runs one test instead: rediss:// is refused with
  * KL_EPROVIDER saying that TLS is not compiled in.
  */
@@ -317,6 +319,39 @@ round_trip(kl_provider *p, const char *key)
 	kl_lock_free(l2);
 }
 
+/* Holds a key across several ttls: the renewal thread's commands go
+ * over TLS on connections of the pool while the test's own try-once
+ * acquires are refused. */
+static void
+renewal(kl_provider *p)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL, *l2 = NULL;
+	kl_lease *a = NULL, *b = NULL;
+	kl_error err;
+
+	o.provider = p;
+	o.key = "tls-renew";
+	o.timeout_ms = 20000;
+	/* 1.5 s: a renewal (every 500 ms) may come late on a loaded
+	 * machine. */
+	o.ttl_ms = 1500;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&l2, &o), KL_OK);
+	ck_assert_msg(kl_lock_acquire(l, NULL, &a, &err) == KL_OK, "%s",
+		      err.message);
+	for (int i = 0; i < 8; i++) {
+		test_sleep_ms(500);
+		ck_assert(kl_lease_valid(a));
+		ck_assert_int_eq(kl_lock_acquire(l2, NULL, &b, &err),
+				 KL_ETIMEDOUT);
+	}
+	kl_lease_release(a);
+	kl_lock_free(l);
+	kl_lock_free(l2);
+}
+
 /* ------------------------------------------------------------------ */
 /* Tests                                                               */
 
@@ -331,6 +366,7 @@ START_TEST(test_round_trip)
 			       g_port, g_dir) == KL_OK,
 		      "%s", err.message);
 	round_trip(p, "tls-key");
+	renewal(p);
 	kl_provider_free(p);
 	/* By name: SNI, and the DNS name of the certificate. */
 	ck_assert_msg(open_uri(&p, &err,
@@ -455,6 +491,71 @@ START_TEST(test_silent_server)
 }
 END_TEST
 
+START_TEST(test_stalled_server)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_provider *p;
+	kl_lock *l = NULL, *l2 = NULL, *l0 = NULL;
+	kl_lease *a = NULL, *a0 = NULL;
+	kl_error err, err0;
+	int64_t t0, took, took0;
+	int rc, rc0, rc2;
+
+	ck_assert_msg(open_uri(&p, &err,
+			       "rediss://127.0.0.1:%d/0?tls_ca=%s/ca.crt&"
+			       "prefix=tls-stall:&restart_guard=0&"
+			       "timeout=500ms",
+			       g_port, g_dir) == KL_OK,
+		      "%s", err.message);
+	o.provider = p;
+	o.key = "tls-stall";
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&l0, &o), KL_OK);
+	o.timeout_ms = 1000;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	/* A TLS read that waits for a server that does not answer ends by
+	 * its deadline (the try-once, on the connection the open left), and
+	 * so does a new connection's handshake (the bounds here are only
+	 * hang guards). */
+	ck_assert_int_eq(kill(g_pid, SIGSTOP), 0);
+	t0 = now_ms();
+	rc0 = kl_lock_acquire(l0, NULL, &a0, &err0);
+	took0 = now_ms() - t0;
+	t0 = now_ms();
+	rc = kl_lock_acquire(l, NULL, &a, &err);
+	took = now_ms() - t0;
+	kill(g_pid, SIGCONT);
+	printf("try-once from a stopped server: %s in %lld ms: %s\n",
+	       kl_strerror(rc0), (long long)took0, err0.message);
+	printf("acquire from a stopped server: %s in %lld ms: %s\n",
+	       kl_strerror(rc), (long long)took, err.message);
+	if (rc0 == KL_OK)
+		kl_lease_release(a0);
+	if (rc == KL_OK)
+		kl_lease_release(a);
+	ck_assert_msg(rc0 == KL_EPROVIDER, "try-once from a stopped server "
+					   "gave %s", kl_strerror(rc0));
+	ck_assert_msg(rc == KL_EPROVIDER || rc == KL_ETIMEDOUT,
+		      "acquire from a stopped server gave %s",
+		      kl_strerror(rc));
+	ck_assert_int_lt(took0, 30000);
+	ck_assert_int_lt(took, 30000);
+	/* The broken connection is replaced by a new TLS one.  Another key:
+	 * the stopped server may still run the first attempt when it
+	 * resumes, granting that key to nobody for a while. */
+	o.key = "tls-stall-2";
+	o.timeout_ms = 20000;
+	ck_assert_int_eq(kl_lock_new(&l2, &o), KL_OK);
+	rc2 = kl_lock_acquire(l2, NULL, &a, &err);
+	ck_assert_msg(rc2 == KL_OK, "%s: %s", kl_strerror(rc2), err.message);
+	kl_lease_release(a);
+	kl_lock_free(l);
+	kl_lock_free(l0);
+	kl_lock_free(l2);
+	kl_provider_free(p);
+}
+END_TEST
+
 START_TEST(test_client_cert)
 {
 	kl_provider *p;
@@ -548,6 +649,7 @@ redis_tls_suite(void)
 	tcase_add_test(tc, test_name_mismatch);
 	tcase_add_test(tc, test_plain_to_tls_port);
 	tcase_add_test(tc, test_silent_server);
+	tcase_add_test(tc, test_stalled_server);
 	tcase_add_test(tc, test_client_cert);
 	tcase_add_test(tc, test_options);
 #else
