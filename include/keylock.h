@@ -407,6 +407,21 @@ KL_API void kl_lock_free(kl_lock *l);
  * KL_ENOMEM, KL_EPROVIDER.  call may be NULL.  Since 0.1. */
 KL_API int kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg),
 		       void *arg, int *fn_result, kl_error *err);
+/* The function kl_lock_run_lease runs: it gets the lease it runs under and
+ * the caller's arg. */
+typedef int (*kl_lease_fn)(kl_lease *lease, void *arg);
+/* kl_lock_run, but fn gets the lease (fence, valid, key); fn must not release
+ * it.  fn may read it with kl_lease_fence (to pass to the store the lock
+ * protects, which rejects smaller fences), kl_lease_valid and kl_lease_key
+ * until it returns; the key is released when fn returns, on every path,
+ * whatever fn returns, with the events of kl_lock_run.  Returns KL_OK (fn
+ * ran; *fn_result gets its value) or why the lock was not acquired, as
+ * kl_lock_run; KL_EINVAL when l or fn is NULL (fn not called) or when fn
+ * released the lease anyway: that release does nothing, the key stays held
+ * until fn returns and is released then, and *fn_result is set.  call may be
+ * NULL.  Since 0.1. */
+KL_API int kl_lock_run_lease(kl_lock *l, const kl_call *call, kl_lease_fn fn,
+			     void *arg, int *fn_result, kl_error *err);
 /* Acquires and returns a lease to release later (from any thread). */
 KL_API int kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 			   kl_error *err) KL_ATTR(warn_unused_result);

@@ -26,6 +26,7 @@ dist_man_MANS = \
 	man/kl_lock_free.3 \
 	man/kl_lock_new.3 \
 	man/kl_lock_run.3 \
+	man/kl_lock_run_lease.3 \
 	man/kl_memory_provider.3 \
 	man/kl_memory_provider_new.3 \
 	man/kl_memory_provider_queue_size.3 \

@@ -266,6 +266,21 @@ struct kl_provider {
 /* provider_local.c: opens the local provider on dir ("" = the default). */
 KL_HIDDEN int kl__local_provider_open(kl_provider **out, const char *dir,
 				      kl_error *err);
+/* local_path.c: opens the state directory path (made, 0700, when only its
+ * last name is missing) name by name without following links, refusing it
+ * unless every ancestor is safe from other users; *abs gets its absolute
+ * normalized path (kl__free it).  KL_OK, KL_ENOMEM or KL_EPROVIDER. */
+KL_HIDDEN int kl__local_dir_open(const char *path, int *dirfd, char **abs,
+				 kl_error *err);
+/* The default state directory for this user (kl__free it); KL_EPROVIDER
+ * with err filled when there is none. */
+KL_HIDDEN int kl__local_default_dir(char **out, kl_error *err);
+/* The random secret of the state directory (dirfd, named path in
+ * messages) that keys its file names, made when missing. */
+#define KL_LOCAL_SECRET "secret"
+#define KL_LOCAL_SECRET_LEN 16
+KL_HIDDEN int kl__local_secret(int dirfd, const char *path, uint64_t *k0,
+			       uint64_t *k1, kl_error *err);
 
 /* Fills err (may be NULL) with status and a printf-style message. */
 KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)

@@ -5,7 +5,8 @@
  *
  * No internal lock is held here: events are raised from this file only, after
  * the provider call has returned, so a callback may itself take locks.
- * kl_lock_run keeps its lease on the stack and allocates nothing.
+ * kl_lock_run and kl_lock_run_lease share one body (run) and keep their
+ * lease on the stack or in the key's entry: they allocate nothing.
  */
 #include "config.h"
 
@@ -35,6 +36,7 @@ struct kl_lease {
 	int64_t granted_ns;
 	const char *key;
 	size_t key_len;
+	unsigned lent; /* LEASE_LENT, LEASE_RELEASED: see lent_release */
 	char key_buf[]; /* the key, for leases from kl_lock_acquire */
 };
 
@@ -56,10 +58,34 @@ in_entry(const kl_lock *l)
 	return l->table != NULL;
 }
 
+/*
+ * The lease that run() lends to the fn of kl_lock_run_lease is marked
+ * LEASE_LENT, so that a kl_lease_release of it by fn (which the contract
+ * forbids) neither frees a lease that lives on run()'s stack nor releases
+ * the key twice: it only adds LEASE_RELEASED, the key stays held until fn
+ * returns, and run() then releases it as always and reports the misuse.
+ * A struct kl_lease keeps the marks in its lent member; a lease in an entry
+ * has no room but its lock word, so it keeps them in the word's low bits,
+ * which a kl_lock pointer leaves clear.  Only the lent lease's holder (fn's
+ * thread, or one fn handed it to before returning) touches the marks.
+ */
+#define LEASE_LENT 1u
+#define LEASE_RELEASED 2u
+#define LEASE_MARKS ((uintptr_t)(LEASE_LENT | LEASE_RELEASED))
+
+_Static_assert(_Alignof(kl_lock) > LEASE_MARKS,
+	       "a kl_lock pointer has room for the lease marks");
+
+static uintptr_t
+lease_word(const kl_lease *lease)
+{
+	return (uintptr_t)*(kl_lock *const *)(const void *)lease;
+}
+
 static kl_lock *
 lease_lock(const kl_lease *lease)
 {
-	return *(kl_lock *const *)(const void *)lease;
+	return (kl_lock *)(lease_word(lease) & ~LEASE_MARKS);
 }
 
 static struct kl__entry *
@@ -189,10 +215,10 @@ rejected(const kl_lock *l, const char *key, size_t len, int rc,
 }
 
 /* kl_lock_acquire with the lease in the key's entry (see in_entry): no
- * event to raise. */
+ * event to raise.  marks: 0, or LEASE_LENT for run(). */
 static int
 acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
-		 size_t len, kl_lease **out, kl_error *err)
+		 size_t len, unsigned marks, kl_lease **out, kl_error *err)
 {
 	struct kl__entry *e;
 	uint64_t fence;
@@ -206,7 +232,7 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 		rejected(l, key, len, rc, "", err);
 		return rc;
 	}
-	*kl__entry_lock(e) = l;
+	*kl__entry_lock(e) = (kl_lock *)((uintptr_t)l | marks);
 	*out = (kl_lease *)(void *)kl__entry_lock(e);
 	if (err != NULL) {
 		err->status = KL_OK;
@@ -274,27 +300,84 @@ release(struct kl_lease *lease)
 		emit(l, KL_EV_RELEASE_FAILED, lease->key, rc, 0, held);
 }
 
-int
-kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg), void *arg,
-	    int *fn_result, kl_error *err)
+/*
+ * kl_lock_run_lease, and kl_lock_run through run_plain: the lease lent to
+ * fn lives in the key's entry (in_entry) or on this stack, marked
+ * LEASE_LENT either way (see lent_release).
+ */
+static int
+run(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
+    int *fn_result, kl_error *err)
 {
-	struct kl_lease lease;
+	struct kl_lease stack;
+	kl_lease *lease;
+	bool misused;
 	int rc, r;
 
 	if (l == NULL || fn == NULL) {
 		kl__error_set(err, KL_EINVAL, "no lock or no function given");
 		return KL_EINVAL;
 	}
-	if ((rc = resolve_key(l, call, &lease.key, &lease.key_len, err)) !=
+	if ((rc = resolve_key(l, call, &stack.key, &stack.key_len, err)) !=
 	    KL_OK)
 		return rc;
-	if ((rc = acquire(l, call, &lease, err)) != KL_OK)
+	if (in_entry(l)) {
+		rc = acquire_in_entry(l, call, stack.key, stack.key_len,
+				      LEASE_LENT, &lease, err);
+	} else {
+		stack.lent = LEASE_LENT;
+		lease = &stack;
+		rc = acquire(l, call, lease, err);
+	}
+	if (rc != KL_OK)
 		return rc;
-	r = fn(arg);
+	r = fn(lease, arg);
 	if (fn_result != NULL)
 		*fn_result = r;
-	release(&lease);
+	if (in_entry(l)) {
+		misused = (lease_word(lease) & LEASE_RELEASED) != 0;
+		kl__table_release(l->table, lease_entry(lease));
+	} else {
+		misused = (stack.lent & LEASE_RELEASED) != 0;
+		release(&stack);
+	}
+	if (misused) {
+		kl__error_set(err, KL_EINVAL,
+			      "the function released the lease it was lent; "
+			      "the key was held until it returned");
+		return KL_EINVAL;
+	}
 	return KL_OK;
+}
+
+struct plain_fn {
+	int (*fn)(void *arg);
+	void *arg;
+};
+
+static int
+run_plain(kl_lease *lease, void *arg)
+{
+	const struct plain_fn *p = arg;
+
+	(void)lease;
+	return p->fn(p->arg);
+}
+
+int
+kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg), void *arg,
+	    int *fn_result, kl_error *err)
+{
+	struct plain_fn p = { .fn = fn, .arg = arg };
+
+	return run(l, call, fn != NULL ? run_plain : NULL, &p, fn_result, err);
+}
+
+int
+kl_lock_run_lease(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
+		  int *fn_result, kl_error *err)
+{
+	return run(l, call, fn, arg, fn_result, err);
 }
 
 int
@@ -315,7 +398,7 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 	if ((rc = resolve_key(l, call, &key, &len, err)) != KL_OK)
 		return rc;
 	if (in_entry(l))
-		return acquire_in_entry(l, call, key, len, out, err);
+		return acquire_in_entry(l, call, key, len, 0, out, err);
 	/* The call's key may not outlive the call: the lease keeps a copy,
 	 * made first so that nothing can fail once the key is held. */
 	if (len > SIZE_MAX - sizeof *lease - 1 ||
@@ -328,12 +411,32 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 	lease->key_buf[len] = '\0';
 	lease->key = lease->key_buf;
 	lease->key_len = len;
+	lease->lent = 0;
 	if ((rc = acquire(l, call, lease, err)) != KL_OK) {
 		kl__free(lease);
 		return rc;
 	}
 	*out = lease;
 	return KL_OK;
+}
+
+/* A kl_lease_release of a lent lease: marks it (see LEASE_LENT) and
+ * returns true; false for any other lease. */
+static bool
+lent_release(kl_lease *lease, const kl_lock *l)
+{
+	uintptr_t w;
+
+	if (in_entry(l)) {
+		if (((w = lease_word(lease)) & LEASE_LENT) == 0)
+			return false;
+		*(kl_lock **)(void *)lease = (kl_lock *)(w | LEASE_RELEASED);
+		return true;
+	}
+	if ((lease->lent & LEASE_LENT) == 0)
+		return false;
+	lease->lent |= LEASE_RELEASED;
+	return true;
 }
 
 void
@@ -344,6 +447,8 @@ kl_lease_release(kl_lease *lease)
 	if (lease == NULL)
 		return;
 	l = lease_lock(lease);
+	if (lent_release(lease, l))
+		return;
 	if (in_entry(l)) {
 		kl__table_release(l->table, lease_entry(lease));
 		return;
@@ -371,7 +476,7 @@ kl_lease_valid(const kl_lease *lease)
 		return false;
 	if (in_entry(lease_lock(lease)))
 		return true; /* a memory lease is never lost */
-	p = lease->lock->provider;
+	p = lease_lock(lease)->provider;
 	return p->ops.valid == NULL || p->ops.valid(p->impl, lease->handle);
 }
 

@@ -5,11 +5,13 @@
  */
 #include "config.h"
 
+#include <ctype.h>
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "internal.h"
@@ -104,10 +106,11 @@ kl_provider_free(kl_provider *p)
 	kl__free(p);
 }
 
+/* Schemes are case-insensitive (RFC 3986, 3.1). */
 static bool
 has_prefix(const char *s, const char *prefix)
 {
-	return strncmp(s, prefix, strlen(prefix)) == 0;
+	return strncasecmp(s, prefix, strlen(prefix)) == 0;
 }
 
 #ifndef HAVE_SECURE_GETENV
@@ -120,6 +123,36 @@ secure_getenv(const char *name)
 #endif
 
 typedef int (*open_fn)(kl_provider **out, const char *uri, kl_error *err);
+
+/* Calls fn with uri's scheme in lower case: a library's own parser (libpq's
+ * among them) may know no other.  The copy may hold a password: it is
+ * wiped before it is freed. */
+static int
+open_lower(open_fn fn, kl_provider **out, const char *uri, kl_error *err)
+{
+	size_t n = strcspn(uri, ":"), len, i;
+	volatile char *v;
+	char *copy;
+	int rc;
+
+	for (i = 0; i < n && !isupper((unsigned char)uri[i]); i++)
+		;
+	if (i == n)
+		return fn(out, uri, err);
+	len = strlen(uri);
+	if ((copy = kl__malloc(len + 1)) == NULL) {
+		kl__error_set(err, KL_ENOMEM, "out of memory");
+		return KL_ENOMEM;
+	}
+	memcpy(copy, uri, len + 1);
+	for (i = 0; i < n; i++)
+		copy[i] = (char)tolower((unsigned char)copy[i]);
+	rc = fn(out, copy, err);
+	for (v = copy, i = 0; i < len; i++)
+		v[i] = '\0';
+	kl__free(copy);
+	return rc;
+}
 
 /* Loads a provider library on demand, so that libkeylock itself never links
  * hiredis or libpq.  KEYLOCK_PROVIDER_DIR (ignored in setuid programs) is
@@ -154,7 +187,7 @@ open_plugin(const char *lib, const char *sym, const char *what,
 		dlclose(handle);
 		return KL_EPROVIDER;
 	}
-	return fn(out, uri, err);
+	return open_lower(fn, out, uri, err);
 }
 
 int
@@ -166,7 +199,8 @@ kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 		kl__error_set(err, KL_EINVAL, "no provider URI given");
 		return KL_EINVAL;
 	}
-	if (strcmp(uri, "memory:") == 0 || strcmp(uri, "memory://") == 0) {
+	if (strcasecmp(uri, "memory:") == 0 ||
+	    strcasecmp(uri, "memory://") == 0) {
 		*out = kl_memory_provider();
 		return KL_OK;
 	}

@@ -72,6 +72,7 @@
 
 #include "keylock.h"
 #include "keylock/pg.h"
+#include "pg_fence.h"
 
 #define DEFAULT_POOL 8
 #define MAX_POOL 1024
@@ -88,7 +89,6 @@
  * answer to a cancel request. */
 #define SHORT_OP_MS 5000
 
-#define FENCE_SEQUENCE "keylock_fence"
 /* The prepared statements of each pooled session (SETUP_SQL). */
 #define STMT_TRY "keylock_try"
 #define STMT_UNLOCK "keylock_unlock"
@@ -169,6 +169,10 @@ struct pg {
 
 	pthread_mutex_t aux_mu;
 	struct conn *aux;
+
+	struct kl__pg_fence fence;
+	/* What a new session runs, once, in front of its first STMT_TRY. */
+	char setup_sql[4096];
 };
 
 /* ------------------------------------------------------------------ */
@@ -764,6 +768,9 @@ run_short_q(struct pg *p, struct conn *c, const char *sql, const char *stmt,
 		       KL_EPROVIDER, NULL, a, err);
 
 	if (rc == KL_OK && a->failed) {
+		/* c is never NULL: clang-analyzer takes aux_run's second
+		 * conn_open for one that returns KL_OK without a connection. */
+		/* NOLINTNEXTLINE(clang-analyzer-core.NullDereference) */
 		c->broken = true;
 		rc = fail(p, err, KL_EPROVIDER, "%s", a->message);
 	}
@@ -915,31 +922,46 @@ lock_error(struct pg *p, struct conn *c, const struct answer *a,
 	c->broken = true;
 	if (strcmp(a->sqlstate, "42P01") == 0)
 		return fail(p, err, KL_EPROVIDER,
-			    "the fence sequence " FENCE_SEQUENCE
-			    " is missing: %s",
-			    a->message);
+			    "the fence sequence %s is missing: %s",
+			    p->fence.name, a->message);
 	return fail(p, err, KL_EPROVIDER, "%s%s%s", a->message,
 		    a->sqlstate[0] != '\0' ? " SQLSTATE " : "", a->sqlstate);
 }
 
 /*
  * What a new session runs, once, in front of its first STMT_TRY (in the
- * same query string: no round trip of its own): statement_timeout 0 (a
- * server default must not cut a wait the caller allowed) and two prepared
- * statements (SQL PREPARE makes them for PQsendQueryPrepared too), so that
- * an uncontended acquire and a release are then one statement each, bound
- * and run without being parsed again.  STMT_TRY takes the lock only if it
- * is free (pg_try_advisory_lock does not barge past queued waiters) and,
- * in the same statement, draws a fence only once it has it (CASE);
- * STMT_UNLOCK releases.
+ * same query string, one transaction: no round trip of its own):
+ * statement_timeout 0 (a server default must not cut a wait the caller
+ * allowed), synchronous_commit off (a fence must not wait for a WAL
+ * flush: src/pg_fence.c says why that is safe), two prepared statements
+ * (SQL PREPARE makes them for PQsendQueryPrepared too), so that an
+ * uncontended acquire and a release are then one statement each, bound
+ * and run without being parsed again, and the floor of the fence
+ * sequence.  STMT_TRY takes the lock only if it is free
+ * (pg_try_advisory_lock does not barge past queued waiters) and, in the
+ * same statement, draws a fence only once it has it (CASE); STMT_UNLOCK
+ * releases.
  */
-#define TRY_SQL(id)                                                          \
-	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(" id ") THEN "     \
-	"pg_catalog.nextval('" FENCE_SEQUENCE "') END"
-#define SETUP_SQL                                                            \
-	"SET statement_timeout = 0; PREPARE " STMT_TRY "(bigint) AS "        \
-	TRY_SQL("$1") "; PREPARE " STMT_UNLOCK "(bigint) AS SELECT "         \
-	"pg_catalog.pg_advisory_unlock($1)::int; "
+#define TRY_SQL                                                              \
+	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(%s) THEN %s END"
+
+static int
+make_setup_sql(struct pg *p)
+{
+	char try[sizeof p->fence.draw + 80];
+	int n;
+
+	n = snprintf(try, sizeof try, TRY_SQL, "$1", p->fence.draw);
+	if (n < 0 || (size_t)n >= sizeof try)
+		return -1;
+	n = snprintf(p->setup_sql, sizeof p->setup_sql,
+		     "SET statement_timeout = 0; SET synchronous_commit = off; "
+		     "PREPARE " STMT_TRY "(bigint) AS %s; PREPARE " STMT_UNLOCK
+		     "(bigint) AS SELECT "
+		     "pg_catalog.pg_advisory_unlock($1)::int; %s",
+		     try, p->fence.floor);
+	return n < 0 || (size_t)n >= sizeof p->setup_sql ? -1 : 0;
+}
 
 /* lock_answer: the try found the key taken (not a KL_* status). */
 #define NOT_GRANTED 1
@@ -976,10 +998,11 @@ lock_answer(struct pg *p, struct conn *c, int rc, const struct answer *a,
 		}
 		if (strcmp(a->sqlstate, "55P03") == 0) {
 			/* lock_timeout.  Mostly the advisory lock's wait;
-			 * but nextval may have waited too (for a lock on
-			 * the sequence) after the grant, and a session lock
-			 * outlives its failed transaction: drop what the
-			 * session holds, which can only be this key. */
+			 * but the draw may have waited too (for the
+			 * floor's lock, src/pg_fence.c) after the grant,
+			 * and a session lock outlives its failed
+			 * transaction: drop what the session holds, which
+			 * can only be this key. */
 			if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
 				c->broken = true;
 			else
@@ -1026,7 +1049,8 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 	kl_cancel *cancel, uint64_t *fence, kl_error *err)
 {
 	struct answer a;
-	char sql[640], set[96];
+	char sql[sizeof p->setup_sql + sizeof p->fence.draw + 160], set[96],
+		idbuf[24];
 	int64_t left_ms, client_deadline;
 	int late, rc;
 	bool try_once, setup, sent_st, sent_lt, ok;
@@ -1035,7 +1059,9 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 		return fail(p, err, KL_ECANCELED, NULL);
 	try_once = deadline != NO_DEADLINE && deadline <= now_ns();
 	if ((setup = !c->prepared)) {
-		snprintf(sql, sizeof sql, SETUP_SQL TRY_SQL("%" PRId64), id);
+		snprintf(idbuf, sizeof idbuf, "%" PRId64, id);
+		snprintf(sql, sizeof sql, "%s" TRY_SQL, p->setup_sql, idbuf,
+			 p->fence.draw);
 		rc = run(p, c, sql, deadline_after(SHORT_OP_MS), KL_EPROVIDER,
 			 cancel, &a, err);
 		if (rc == KL_OK && !a.failed && a.stopped == 0) {
@@ -1054,12 +1080,14 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 		c->broken = true;
 	if (rc == KL_ETIMEDOUT) {
 		/* The lock_timeout an earlier wait left (or a server
-		 * default) cut nextval short: the sequence was locked.  The
+		 * default) cut the draw short: a new session was flooring
+		 * the sequence.  The
 		 * key was dropped; not the caller's timeout: wait as for a
 		 * taken key. */
 		rc = c->broken ? fail(p, err, KL_EPROVIDER,
-				      "the fence sequence " FENCE_SEQUENCE
-				      " is locked (lock_timeout)")
+				      "the fence sequence %s is locked "
+				      "(lock_timeout)",
+				      p->fence.name)
 			       : NOT_GRANTED;
 	}
 	if (rc != NOT_GRANTED)
@@ -1090,8 +1118,9 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 	}
 	/* One round trip, one implicit transaction, one statement for the
 	 * lock and the fence: the CTE (never inlined: it calls a volatile
-	 * function) is read before nextval runs, so the fence is drawn only
-	 * once the lock is granted, and not at all when the wait fails.  A
+	 * function) is read before the draw (a subquery, run when the row
+	 * is), so the fence is drawn, and the floor's lock taken, only once
+	 * the lock is granted, and not at all when the wait fails.  A
 	 * SET, a statement of its own, is sent only when the session may
 	 * not have that value yet. */
 	sent_st = !c->no_statement_timeout;
@@ -1104,8 +1133,8 @@ lock_on(struct pg *p, struct conn *c, int64_t id, int64_t deadline,
 			 "SET lock_timeout = %" PRId64 "; ", left_ms);
 	snprintf(sql, sizeof sql,
 		 "%sWITH l AS (SELECT pg_catalog.pg_advisory_lock(%" PRId64
-		 ")) SELECT pg_catalog.nextval('" FENCE_SEQUENCE "') FROM l",
-		 set, id);
+		 ")) SELECT %s FROM l",
+		 set, id, p->fence.draw);
 	rc = run(p, c, sql, client_deadline, late, cancel, &a, err);
 	/* A failed statement rolls the implicit transaction back, and the
 	 * SETs sent in it: those settings are then unknown.  Those of
@@ -1416,6 +1445,7 @@ static int
 aux_run(struct pg *p, const char *sql, bool strict, struct answer *a,
 	kl_error *err)
 {
+	struct conn *c;
 	bool fresh, stale;
 	int rc;
 
@@ -1428,16 +1458,20 @@ aux_run(struct pg *p, const char *sql, bool strict, struct answer *a,
 		fresh = p->aux == NULL;
 		if (fresh && (rc = conn_open(p, NULL, &p->aux, err)) != KL_OK)
 			break;
+		c = p->aux;
 		if (strict)
-			rc = run_short(p, p->aux, sql, a, err);
+			rc = run_short(p, c, sql, a, err);
 		else
-			rc = run(p, p->aux, sql, deadline_after(SHORT_OP_MS),
+			rc = run(p, c, sql, deadline_after(SHORT_OP_MS),
 				 KL_EPROVIDER, NULL, a, err);
-		if (!p->aux->broken)
+		/* conn_open gives KL_OK only with a connection (see
+		 * run_short_q). */
+		/* NOLINTNEXTLINE(clang-analyzer-core.NullDereference) */
+		if (!c->broken)
 			break;
 		/* One that died while idle is replaced, once. */
-		stale = !fresh && PQstatus(p->aux->pg) != CONNECTION_OK;
-		conn_close(p->aux);
+		stale = !fresh && PQstatus(c->pg) != CONNECTION_OK;
+		conn_close(c);
 		p->aux = NULL;
 		if (!stale)
 			break;
@@ -1567,6 +1601,14 @@ take_option(struct pg *p, const char *name, size_t nlen, const char *val,
 	long n;
 
 	*ours = false;
+	if (nlen == 14 && memcmp(name, "fence_sequence", 14) == 0) {
+		*ours = true;
+		if (kl__pg_fence_init(&p->fence, val, vlen) != 0)
+			return fail(NULL, err, KL_EINVAL,
+				    "bad fence_sequence '%.*s' (schema.name)",
+				    (int)(vlen < 140 ? vlen : 140), val);
+		return KL_OK;
+	}
 	if (vlen >= sizeof buf)
 		vlen = sizeof buf - 1;
 	memcpy(buf, val, vlen);
@@ -1723,32 +1765,45 @@ parse_uri(struct pg *p, const char *uri, kl_error *err)
 	return KL_OK;
 }
 
-/* Makes sure the fence sequence exists.  Checked before creating, so that
- * a role without CREATE on the schema can use a sequence made for it;
- * losing a creation race to another process is fine. */
+/* Makes sure the fence sequence exists and is one this role can draw
+ * from and floor: the shared one, by its schema-qualified name.  Checked
+ * before creating, so that a role without CREATE on the schema can use a
+ * sequence made for it; losing a creation race to another process is
+ * fine. */
 static int
 ensure_sequence(struct pg *p, kl_error *err)
 {
 	struct answer a;
+	char sql[sizeof p->fence.ident + 64];
 	int rc;
 
-	rc = aux_run(p,
-		     "SELECT (pg_catalog.to_regclass('" FENCE_SEQUENCE
-		     "') IS NOT NULL)::int",
-		     true, &a, err);
-	if (rc != KL_OK)
-		return rc;
-	if (a.nvals >= 1 && !a.null[0] && a.val[0] == 1)
-		return KL_OK;
-	rc = aux_run(p, "CREATE SEQUENCE IF NOT EXISTS " FENCE_SEQUENCE, false,
-		     &a, err);
-	if (rc == KL_OK && a.failed && strcmp(a.sqlstate, "42P07") != 0 &&
-	    strcmp(a.sqlstate, "23505") != 0)
-		rc = fail(p, err, KL_EPROVIDER,
-			  "cannot create the fence sequence " FENCE_SEQUENCE
-			  " (create it beforehand): %s",
-			  a.message);
-	return rc;
+	for (int tries = 0;; tries++) {
+		if ((rc = aux_run(p, p->fence.check, true, &a, err)) != KL_OK)
+			return rc;
+		if (a.nvals >= 1 && !a.null[0] && a.val[0] == KL__PG_FENCE_OK)
+			return KL_OK;
+		if (a.nvals >= 1)
+			return fail(p, err, KL_EPROVIDER,
+				    "the fence sequence %s %s", p->fence.name,
+				    kl__pg_fence_problem((int)a.val[0]));
+		if (tries > 0)
+			return fail(p, err, KL_EPROVIDER,
+				    "the fence sequence %s was created but "
+				    "cannot be found",
+				    p->fence.name);
+		snprintf(sql, sizeof sql, "CREATE SEQUENCE IF NOT EXISTS %s",
+			 p->fence.ident);
+		rc = aux_run(p, sql, false, &a, err);
+		if (rc != KL_OK)
+			return rc;
+		if (a.failed && strcmp(a.sqlstate, "42P07") != 0 &&
+		    strcmp(a.sqlstate, "23505") != 0)
+			return fail(p, err, KL_EPROVIDER,
+				    "cannot create the fence sequence %s "
+				    "(have it created, and USAGE and UPDATE "
+				    "on it granted): %s",
+				    p->fence.name, a.message);
+	}
 }
 
 static const kl_provider_ops pg_ops = {
@@ -1784,6 +1839,7 @@ kl_pg_provider_open(kl_provider **out, const char *uri, kl_error *err)
 		return fail(NULL, err, KL_ENOMEM, "out of memory");
 	p->pool_max = DEFAULT_POOL;
 	p->health_ms = DEFAULT_HEALTH_MS;
+	(void)kl__pg_fence_init(&p->fence, NULL, 0); /* fits */
 	/* Only a system out of resources fails these (glibc's never do);
 	 * the memory is freed, the half-made objects need nothing more. */
 	if (pthread_mutex_init(&p->mu, NULL) != 0 ||
@@ -1792,8 +1848,9 @@ kl_pg_provider_open(kl_provider **out, const char *uri, kl_error *err)
 		free(p);
 		return fail(NULL, err, KL_ENOMEM, "out of resources");
 	}
-	if ((rc = parse_uri(p, uri, err)) != KL_OK ||
-	    (rc = ensure_sequence(p, err)) != KL_OK) {
+	if ((rc = parse_uri(p, uri, err)) == KL_OK && make_setup_sql(p) != 0)
+		rc = fail(p, err, KL_EINVAL, "fence_sequence too long");
+	if (rc != KL_OK || (rc = ensure_sequence(p, err)) != KL_OK) {
 		pg_free(p);
 		return rc;
 	}

@@ -68,6 +68,11 @@
 				 * record (also kept FENCE_KEEP_MS) */
 #define TOKEN_BYTES 16
 #define MAX_RECONNECTS 2    /* consecutive, within one wait */
+#define STALE_MAX 8         /* connections an acquire leaves unanswered */
+#define UNDO_MAX 32         /* abandoned acquires waiting to be undone */
+#define UNDO_SLICE_MS 50    /* the renewal thread's wait for their replies */
+#define UNDO_RETRY_MS 100   /* between two tries while the server is silent */
+#define LEAVE_MIN_MS 10     /* the least time a leave gets after a wait */
 
 #define MS (INT64_C(1000000))
 
@@ -96,6 +101,13 @@ struct lease {
 	void (*lost_fn)(void *ctx);
 	void *ctx;
 	int refs; /* the owner, plus the renewal thread while it uses it */
+	/* Connections on which an attempt of this acquire timed out: the
+	 * server may still run it, and grant the key to this token.  Owned
+	 * by the acquiring thread, then by r->undos (see undo_try). */
+	struct kl__rconn *stale[STALE_MAX];
+	int nstale;
+	struct lease *undo_next; /* r->undos */
+	int64_t undo_until; /* ns: no use undoing after (0: not known yet) */
 };
 
 struct redis {
@@ -124,6 +136,11 @@ struct redis {
 	 * will look at every lease before it sleeps again.  A new lease due
 	 * before then must wake it, any other need not. */
 	int64_t sleep_until;
+	/* Acquires that gave up while an attempt was unanswered, oldest
+	 * first, and when the renewal thread next tries to undo them. */
+	struct lease *undos, **undo_tail;
+	size_t nundos;
+	int64_t undo_at;
 };
 
 /* ------------------------------------------------------------------ */
@@ -210,12 +227,21 @@ lease_new(struct redis *r, const char *key, size_t key_len, int64_t ttl_ms,
 	return KL_OK;
 }
 
+/* Closes the connections an acquire left unanswered. */
+static void
+stale_close(struct lease *l)
+{
+	while (l->nstale > 0)
+		kl__rconn_close(l->stale[--l->nstale]);
+}
+
 /* Drops a reference; mu held when the lease may be shared. */
 static void
 lease_unref(struct lease *l)
 {
 	if (--l->refs > 0)
 		return;
+	stale_close(l);
 	names_free(&l->n);
 	free(l);
 }
@@ -450,10 +476,55 @@ conn_replace(struct redis *r, struct kl__rconn **cp, int64_t cap_ns,
 	return conn_new(r, cap_ns, cp, err);
 }
 
+/* Keeps *cp, if a command of l's wait on it is still unanswered, rather
+ * than let conn_replace or conn_put close it: closing would not stop the
+ * server from running an attempt once it reads it, nor end the wait's
+ * place in the queue (see undo_later). */
+static void
+stash(struct lease *l, struct kl__rconn **cp)
+{
+	if (*cp == NULL || !(*cp)->broken || (*cp)->owed == 0 ||
+	    l->nstale == STALE_MAX)
+		return;
+	l->stale[l->nstale++] = *cp;
+	*cp = NULL;
+}
+
+/* Takes l, an acquire that gave up, from its thread.  A server that was
+ * stalled runs the attempts it had not answered when it resumes, and one
+ * of them may grant the key to l's token, which nobody holds: the key
+ * would stay taken for a whole ttl.  Or the token stays queued, and blocks
+ * the waiters behind it for its heartbeat.  The renewal thread undoes both
+ * as soon as the server answers again (undo_try).  Past UNDO_MAX waiting,
+ * l is dropped: such a grant expires with its ttl, such a waiter with its
+ * heartbeat. */
+static void
+undo_later(struct redis *r, struct lease *l)
+{
+	if (l->nstale == 0) {
+		lease_unref(l);
+		return;
+	}
+	pthread_mutex_lock(&r->mu);
+	if (r->nundos < UNDO_MAX && r->thread_started &&
+	    r->pid == kl__redis_getpid()) {
+		l->undo_next = NULL;
+		*r->undo_tail = l;
+		r->undo_tail = &l->undo_next;
+		r->nundos++;
+		l = NULL;
+		pthread_cond_broadcast(&r->cv);
+	}
+	pthread_mutex_unlock(&r->mu);
+	if (l != NULL)
+		lease_unref(l);
+}
+
 /* The deadline of one command of a wait: the command timeout, but no later
- * than the wait's deadline plus GRACE_MS (plus extra_ns the server itself
- * blocks), so that a stalled server cannot hold a waiter much past its
- * timeout. */
+ * than GRACE_MS after the wait's deadline or after the extra_ns the server
+ * itself blocks, whichever is later, so that a stalled server cannot hold
+ * a waiter much past its timeout.  A BLPOP never blocks past the deadline
+ * (see wait_queued), so it too ends by the deadline plus GRACE_MS. */
 static int64_t
 cmd_deadline(const struct redis *r, int64_t wait_deadline, int64_t extra_ns)
 {
@@ -461,8 +532,9 @@ cmd_deadline(const struct redis *r, int64_t wait_deadline, int64_t extra_ns)
 	int64_t d = now + extra_ns + r->conf.timeout_ms * MS, cap;
 
 	if (wait_deadline != KL_R_NO_DEADLINE) {
-		cap = (wait_deadline > now ? wait_deadline : now) +
-		      GRACE_MS * MS + extra_ns;
+		cap = (wait_deadline > now + extra_ns ? wait_deadline
+						      : now + extra_ns) +
+		      GRACE_MS * MS;
 		if (cap < d)
 			d = cap;
 	}
@@ -608,15 +680,22 @@ leave(struct redis *r, struct kl__rconn *c, struct lease *l, int64_t deadline,
 }
 
 /* Leaves after a failed or abandoned wait, when the connection still
- * works.  Best effort: when the server cannot be asked (a connection that
- * broke was already replaced once and failed again), the queue entry
- * expires with its heartbeat and a grant whose reply was lost with its
- * ttl. */
+ * works, by end (the wait's deadline plus grace) if it can: a wait ends
+ * within its grace.  A leave that times out, like an attempt left
+ * unanswered, is left to the renewal thread (undo_later); when the server
+ * cannot be asked at all, the queue entry expires with its heartbeat. */
 static void
-leave_anyway(struct redis *r, struct kl__rconn *c, struct lease *l)
+leave_anyway(struct redis *r, struct kl__rconn *c, struct lease *l,
+	     int64_t end)
 {
-	if (c != NULL && !c->broken)
-		leave(r, c, l, cmd_deadline(r, kl__redis_now_ns(), 0), NULL);
+	int64_t d, least = kl__redis_now_ns() + LEAVE_MIN_MS * MS;
+
+	if (c == NULL || c->broken)
+		return;
+	d = cmd_deadline(r, kl__redis_now_ns(), 0);
+	if (end < d && least < d)
+		d = end > least ? end : least;
+	leave(r, c, l, d, NULL);
 }
 
 /* Compare-and-delete with l's token, retried once on a new connection.
@@ -747,6 +826,9 @@ wait_queued(struct redis *r, struct kl__rconn **cp, struct lease *l,
 			if (rc != KL_OK && !(*cp)->broken)
 				return rc;
 			if (rc != KL_OK) {
+				/* The token stays queued, and live, until the
+				 * leave at the end: kept for undo_later. */
+				stash(l, cp);
 				rc = reconnect_in_wait(r, cp, epoch,
 						       deadline, &reconnects,
 						       err);
@@ -765,6 +847,7 @@ wait_queued(struct redis *r, struct kl__rconn **cp, struct lease *l,
 		if (rc != KL_OK && !(*cp)->broken)
 			return rc;
 		if (rc != KL_OK) {
+			stash(l, cp);
 			rc = reconnect_in_wait(r, cp, epoch, deadline,
 					       &reconnects, err);
 			if (rc != KL_OK)
@@ -795,8 +878,14 @@ first_attempt(struct redis *r, struct kl__rconn **cp, struct lease *l,
 			     granted, fence, sent_ns, err);
 		if (rc == KL_OK || !(*cp)->broken || ++tries > 1)
 			return rc;
-		rc = conn_replace(r, cp, try_only ? KL_R_NO_DEADLINE
-						  : cmd_deadline(r, deadline, 0),
+		stash(l, cp);
+		/* Past its deadline the server did not answer in time: a new
+		 * connection would only take the wait further past it. */
+		if (!try_only && kl__redis_now_ns() >= deadline)
+			return rc;
+		rc = conn_replace(r, cp, try_only || deadline == KL_R_NO_DEADLINE
+						 ? KL_R_NO_DEADLINE
+						 : deadline + GRACE_MS * MS,
 				  err);
 		if (rc != KL_OK)
 			return rc;
@@ -816,6 +905,19 @@ guard_said(const struct lease *l, kl_error *err)
 				"another %lld ms: the server may have lost "
 				"locks in a restart (restart_guard)",
 				(long long)l->guard_left_ms);
+}
+
+/* A wait that timed out or was cancelled did not fail: a message left in
+ * err by a command that failed and was retried on a new connection does
+ * not describe it.  The lock words the message of rc. */
+static int
+not_failed(kl_error *err, int rc)
+{
+	if (err != NULL && (rc == KL_ETIMEDOUT || rc == KL_ECANCELED)) {
+		err->status = rc;
+		err->message[0] = '\0';
+	}
+	return rc;
 }
 
 static int
@@ -866,11 +968,13 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			   fence, &sent, err);
 	if (rc == KL_OK && !granted) {
 		if (timeout_ms == 0) {
-			/* Tried once, never queued: nothing to undo. */
-			guard_said(l, err);
+			/* Tried once, never queued: nothing to undo but an
+			 * attempt left unanswered on a replaced connection. */
 			conn_put(r, c);
-			lease_unref(l);
-			return KL_ETIMEDOUT;
+			rc = not_failed(err, KL_ETIMEDOUT);
+			guard_said(l, err);
+			undo_later(r, l);
+			return rc;
 		}
 		rc = wait_queued(r, &c, l, cancel, deadline, fence, &sent,
 				 err);
@@ -883,20 +987,27 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		release_key(r, l, &released, NULL);
 		lease_unref(l);
 		*fence = 0;
-		return KL_ECANCELED;
+		return not_failed(err, KL_ECANCELED);
 	}
 	if (rc != KL_OK) {
 		/* Also after a failure, once an attempt was sent: its reply
 		 * may have been lost after the server queued or granted us. */
 		if (sent != 0)
-			leave_anyway(r, c, l);
+			leave_anyway(r, c, l, cap);
+		stash(l, &c);
+		conn_put(r, c);
+		rc = not_failed(err, rc);
 		if (rc == KL_ETIMEDOUT)
 			guard_said(l, err);
-		conn_put(r, c);
-		lease_unref(l);
+		undo_later(r, l);
 		*fence = 0;
 		return rc;
 	}
+	/* Granted.  An attempt left unanswered on a replaced connection
+	 * could only grant this same token; and the server, which answered
+	 * a later command, has read it (it was sent first, to the same
+	 * server), so it cannot run after the release. */
+	stale_close(l);
 	l->epoch = c->epoch;
 	conn_put(r, c);
 	pthread_mutex_lock(&r->mu);
@@ -1064,6 +1175,55 @@ renew_once(struct redis *r, struct lease *l, int64_t cap, int64_t *sent_ns)
 	return res;
 }
 
+/* One try at undoing l, an acquire that gave up with attempts unanswered
+ * (see undo_later).  Once each connection it left has answered all it
+ * owed, no attempt of l's is still to run in the server, whatever the
+ * order in which the server reads its connections; then the leave script
+ * takes l's token out of the queue and frees the key if an attempt granted
+ * it.  True when done (or the server refused it: nothing more to try);
+ * false while the server does not answer.  Only the renewal thread calls
+ * it, without mu: l is off every list meanwhile. */
+static bool
+undo_try(struct redis *r, struct lease *l)
+{
+	struct kl__rconn *c = NULL;
+	int i, rc;
+
+	for (i = 0; i < l->nstale; i++) {
+		rc = kl__rconn_drain(l->stale[i], kl__redis_now_ns() +
+							  UNDO_SLICE_MS * MS);
+		if (rc == KL_ETIMEDOUT)
+			return false;
+		if (rc != KL_OK) {
+			/* The server closed it, or it broke: nothing more of
+			 * it will run. */
+			kl__rconn_close(l->stale[i]);
+			l->stale[i--] = l->stale[--l->nstale];
+		}
+	}
+	if (l->nstale > 0) {
+		c = l->stale[--l->nstale];
+	} else {
+		/* Every connection the attempts went on is closed: a grant
+		 * they made was made by now, and expires a ttl later. */
+		if (l->undo_until == 0)
+			l->undo_until = kl__redis_deadline(l->ttl_ms);
+		if (kl__redis_now_ns() >= l->undo_until)
+			return true;
+		if (conn_new(r, cmd_deadline(r, KL_R_NO_DEADLINE, 0), &c,
+			     NULL) != KL_OK)
+			return false;
+	}
+	rc = leave(r, c, l, cmd_deadline(r, KL_R_NO_DEADLINE, 0), NULL);
+	if (rc != KL_OK && c->broken) {
+		stash(l, &c);
+		kl__rconn_close(c);
+		return false;
+	}
+	conn_put(r, c);
+	return true;
+}
+
 static void
 set_abs(struct timespec *ts, int64_t ns)
 {
@@ -1154,6 +1314,29 @@ renewer(void *arg)
 			lease_unref(due);
 			continue;
 		}
+		if (r->undos != NULL && r->undo_at <= now) {
+			struct lease *u = r->undos;
+			bool done;
+
+			if ((r->undos = u->undo_next) == NULL)
+				r->undo_tail = &r->undos;
+			pthread_mutex_unlock(&r->mu);
+			done = undo_try(r, u);
+			pthread_mutex_lock(&r->mu);
+			if (done) {
+				r->nundos--;
+				lease_unref(u);
+			} else {
+				u->undo_next = NULL;
+				*r->undo_tail = u;
+				r->undo_tail = &u->undo_next;
+				r->undo_at = kl__redis_now_ns() +
+					     UNDO_RETRY_MS * MS;
+			}
+			continue;
+		}
+		if (r->undos != NULL && r->undo_at < next)
+			next = r->undo_at;
 		/* With no lease left, sleep a while before sleeping until
 		 * signalled: a lease taken meanwhile and due later need not
 		 * wake us, which spares a program that takes and releases
@@ -1196,6 +1379,11 @@ redis_destroy(void *impl)
 		/* A child of fork() has no renewal thread to join. */
 		if (r->pid == getpid())
 			pthread_join(r->thread, NULL);
+	}
+	/* Acquires not undone yet: their grants expire with their ttl. */
+	while ((l = r->undos) != NULL) {
+		r->undos = l->undo_next;
+		lease_unref(l);
 	}
 	/* Leases still held are a caller's error; free them anyway. */
 	while ((l = r->leases) != NULL) {
@@ -1272,6 +1460,7 @@ kl_redis_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	}
 	r->pid = getpid();
 	r->max_ttl_ms = r->conf.ttl_ms;
+	r->undo_tail = &r->undos;
 	pthread_mutex_init(&r->mu, NULL);
 	pthread_condattr_init(&ca);
 	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -220,6 +221,27 @@ read_password_file(struct kl__redis_conf *conf, const char *path,
 	return rc;
 }
 
+/* A TLS option's value: a path, or a server name; given once. */
+static int
+tls_option(char **field, const char *name, char **v, size_t vlen,
+	   kl_error *err)
+{
+	if (vlen == 0) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: option %s is empty", name);
+		return KL_EINVAL;
+	}
+	if (*field != NULL) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: option %s is given twice",
+				name);
+		return KL_EINVAL;
+	}
+	*field = *v;
+	*v = NULL;
+	return KL_OK;
+}
+
 /* One "name=value" of the query.  *pwfile gets a password_file value. */
 static int
 option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
@@ -263,6 +285,11 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 		else
 			rc = parse_duration(name, v, 0, INT64_MAX / 4,
 					    &conf->restart_guard_ms, err);
+	} else if (strcmp(name, "eviction") == 0) {
+		if (strcmp(v, "refuse") == 0 || strcmp(v, "allow") == 0)
+			conf->allow_eviction = strcmp(v, "allow") == 0;
+		else
+			rc = bad(err, "option eviction wants refuse or allow");
 	} else if (strcmp(name, "pool") == 0) {
 		if (parse_long(v, vlen, 1, MAX_POOL, &num))
 			conf->pool = (size_t)num;
@@ -282,11 +309,23 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 			*pwfile = v;
 			v = NULL;
 		}
+	} else if (strcmp(name, "tls_ca") == 0) {
+		rc = tls_option(&conf->tls_ca, name, &v, vlen, err);
+	} else if (strcmp(name, "tls_ca_dir") == 0) {
+		rc = tls_option(&conf->tls_ca_dir, name, &v, vlen, err);
+	} else if (strcmp(name, "tls_cert") == 0) {
+		rc = tls_option(&conf->tls_cert, name, &v, vlen, err);
+	} else if (strcmp(name, "tls_key") == 0) {
+		rc = tls_option(&conf->tls_key, name, &v, vlen, err);
+	} else if (strcmp(name, "tls_server_name") == 0) {
+		rc = tls_option(&conf->tls_server_name, name, &v, vlen, err);
 	} else {
 		kl__redis_error(err, KL_EINVAL,
 				"redis provider: unknown option '%s' (known: "
 				"ttl, timeout, connect_timeout, pool, prefix, "
-				"heartbeat, restart_guard, password_file)",
+				"heartbeat, restart_guard, password_file, "
+				"eviction, tls_ca, tls_ca_dir, tls_cert, "
+				"tls_key, tls_server_name)",
 				name);
 		rc = KL_EINVAL;
 	}
@@ -375,6 +414,27 @@ authority(struct kl__redis_conf *conf, const char *s, size_t n,
 	return KL_OK;
 }
 
+/* Refuses a second NAME= of the option at opt among the options of the
+ * query before it: which of the two was meant cannot be told.  Called once
+ * option() accepted the name, so that only a known name is quoted. */
+static int
+once(const char *query, const char *opt, kl_error *err)
+{
+	size_t n = strcspn(opt, "=&");
+	const char *s;
+
+	for (s = query; s < opt; s += strcspn(s, "&") + 1) {
+		if (strncmp(s, opt, n) == 0 && s[n] == '=') {
+			kl__redis_error(err, KL_EINVAL,
+					"redis provider: option %.*s is given "
+					"twice",
+					(int)n, opt);
+			return KL_EINVAL;
+		}
+	}
+	return KL_OK;
+}
+
 void
 kl__redis_conf_clear(struct kl__redis_conf *conf)
 {
@@ -384,6 +444,14 @@ kl__redis_conf_clear(struct kl__redis_conf *conf)
 	free(conf->user);
 	free(conf->host);
 	free(conf->prefix);
+	free(conf->tls_ca);
+	free(conf->tls_ca_dir);
+	free(conf->tls_cert);
+	free(conf->tls_key);
+	free(conf->tls_server_name);
+#ifdef HAVE_REDIS_TLS
+	kl__redis_tls_ctx_free(conf);
+#endif
 	memset(conf, 0, sizeof *conf);
 }
 
@@ -391,19 +459,27 @@ int
 kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		     kl_error *err)
 {
-	const char *s, *auth_end, *q;
+	const char *s, *auth_end, *q, *query;
 	char *pwfile = NULL;
+	size_t skip = 8;
 	long db;
 	int rc;
 
 	memset(conf, 0, sizeof *conf);
-	if (strncmp(uri, "rediss://", 9) == 0) {
+	/* Schemes are case-insensitive (RFC 3986, 3.1). */
+	if (strncasecmp(uri, "rediss://", 9) == 0) {
+#ifdef HAVE_REDIS_TLS
+		conf->tls = true;
+		skip = 9;
+#else
 		kl__redis_error(err, KL_EPROVIDER,
 				"redis provider: TLS (rediss://) is not "
-				"supported by this build");
+				"compiled into this libkeylock-redis: it "
+				"was built without OpenSSL (Debian: "
+				"libssl-dev)");
 		return KL_EPROVIDER;
-	}
-	if (strncmp(uri, "redis://", 8) != 0)
+#endif
+	} else if (strncasecmp(uri, "redis://", 8) != 0)
 		return bad(err, "the URI must start with redis://");
 	conf->pool = DEFAULT_POOL;
 	conf->ttl_ms = DEFAULT_TTL_MS;
@@ -411,7 +487,7 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 	conf->connect_timeout_ms = DEFAULT_TIMEOUT_MS;
 	conf->heartbeat_ms = DEFAULT_HEARTBEAT_MS;
 	conf->restart_guard_ms = KL_R_GUARD_AUTO;
-	s = uri + 8;
+	s = uri + skip;
 	auth_end = s + strcspn(s, "/?#");
 	if (*auth_end == '#') {
 		rc = bad(err, "a URI fragment (#) is not allowed");
@@ -436,14 +512,26 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		goto fail;
 	}
 	if (*s == '?') {
+		query = s + 1;
 		for (s++; *s != '\0'; s = *q != '\0' ? q + 1 : q) {
 			q = s + strcspn(s, "&");
 			if (q == s)
 				continue;
 			if ((rc = option(conf, s, (size_t)(q - s), &pwfile,
-					 err)) != KL_OK)
+					 err)) != KL_OK ||
+			    (rc = once(query, s, err)) != KL_OK)
 				goto fail;
 		}
+	}
+	if (!conf->tls && (conf->tls_ca != NULL || conf->tls_ca_dir != NULL ||
+			   conf->tls_cert != NULL || conf->tls_key != NULL ||
+			   conf->tls_server_name != NULL)) {
+		rc = bad(err, "the tls_* options need a rediss:// URI");
+		goto fail;
+	}
+	if ((conf->tls_cert == NULL) != (conf->tls_key == NULL)) {
+		rc = bad(err, "options tls_cert and tls_key go together");
+		goto fail;
 	}
 	if (conf->prefix == NULL) {
 		conf->prefix_len = strlen(DEFAULT_PREFIX);
@@ -480,6 +568,10 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		rc = KL_EPROVIDER;
 		goto fail;
 	}
+#ifdef HAVE_REDIS_TLS
+	if (conf->tls && (rc = kl__redis_tls_ctx_new(conf, err)) != KL_OK)
+		goto fail;
+#endif
 	free(pwfile);
 	return KL_OK;
 fail:

@@ -14,7 +14,9 @@
  * poll() first.  So a signal (EINTR) never extends a deadline,
  * and a command that misses its deadline marks the connection broken: it
  * is closed, never reused, because a late reply would otherwise be read as
- * the answer to the next command.
+ * the answer to the next command (unless kl__rconn_drain read it first).
+ * With rediss:// the same reads and writes go through an OpenSSL session
+ * (redis_tls.c).
  *
  * Writing to a socket the server has closed raises SIGPIPE, which would
  * kill a program that did not ignore it: we send with MSG_NOSIGNAL.  Where
@@ -515,10 +517,38 @@ static void
 io_error(struct kl__rconn *c, int type, const char *what)
 {
 	c->ctx->err = type;
+#ifdef HAVE_REDIS_TLS
+	if (what == NULL && c->tls != NULL && errno == EPROTO)
+		what = kl__rtls_error(c->tls);
+#endif
 	if (what != NULL)
 		snprintf(c->ctx->errstr, sizeof c->ctx->errstr, "%s", what);
 	else
 		snprintf(c->ctx->errstr, sizeof c->ctx->errstr, "%m");
+}
+
+/* send() and recv() on c's socket, or through its TLS session.  nowait:
+ * poll() said readable, so read what is there and do not block (a TLS
+ * record may have come in part only). */
+static ssize_t
+conn_send(struct kl__rconn *c, const char *p, size_t n)
+{
+#ifdef HAVE_REDIS_TLS
+	if (c->tls != NULL)
+		return kl__rtls_send(c->tls, p, n);
+#endif
+	return send(c->ctx->fd, p, n, MSG_NOSIGNAL);
+}
+
+static ssize_t
+conn_recv(struct kl__rconn *c, char *buf, size_t n, bool nowait)
+{
+#ifdef HAVE_REDIS_TLS
+	if (c->tls != NULL)
+		return kl__rtls_recv(c->tls, buf, n, nowait);
+#endif
+	(void)nowait;
+	return recv(c->ctx->fd, buf, n, 0);
 }
 
 /* Writes hiredis's output buffer: true when all of it went. */
@@ -534,7 +564,7 @@ send_all(struct kl__rconn *c)
 	pipe_block(&g);
 #endif
 	while (left > 0) {
-		ssize_t n = send(c->ctx->fd, p, left, MSG_NOSIGNAL);
+		ssize_t n = conn_send(c, p, left);
 
 		if (n < 0 && errno == EINTR)
 			continue;
@@ -575,6 +605,18 @@ wait_readable(int fd, int64_t deadline)
 	}
 }
 
+/* As wait_readable, at once when c's TLS session holds decrypted bytes
+ * already (poll() cannot see them). */
+static int
+conn_readable(struct kl__rconn *c, int64_t deadline)
+{
+#ifdef HAVE_REDIS_TLS
+	if (c->tls != NULL && kl__rtls_pending(c->tls))
+		return 1;
+#endif
+	return wait_readable(c->ctx->fd, deadline);
+}
+
 /* Reads what the server sent into hiredis's reader by deadline: 1 when
  * something was read, 0 at the deadline, -1 when the connection failed.
  * A blocking recv() waits one SO_RCVTIMEO slice at most, so it is used
@@ -587,6 +629,7 @@ read_some(struct kl__rconn *c, int64_t deadline)
 
 	for (;;) {
 		int64_t now = kl__redis_now_ns();
+		bool polled = false;
 		ssize_t n;
 		int r;
 
@@ -595,14 +638,15 @@ read_some(struct kl__rconn *c, int64_t deadline)
 		if (deadline - now < c->rcv_ns + (c->rcv_ns > RCV_SLACK_NS
 							   ? c->rcv_ns
 							   : RCV_SLACK_NS)) {
-			r = wait_readable(c->ctx->fd, deadline);
+			r = conn_readable(c, deadline);
 			if (r <= 0) {
 				if (r < 0)
 					io_error(c, REDIS_ERR_IO, NULL);
 				return r;
 			}
+			polled = true;
 		}
-		n = recv(c->ctx->fd, buf, sizeof buf, 0);
+		n = conn_recv(c, buf, sizeof buf, polled);
 		if (n > 0) {
 			if (redisReaderFeed(c->ctx->reader, buf, (size_t)n) !=
 			    REDIS_OK) {
@@ -665,6 +709,9 @@ roundtrip(struct kl__rconn *c, int64_t deadline, int n, redisReply **rep,
 			r = read_some(c, deadline);
 			if (r == 0) {
 				c->broken = true;
+				/* Sent, so the server may still run them:
+				 * kl__rconn_drain waits for that. */
+				c->owed = n - i;
 				kl__redis_error(err, KL_EPROVIDER,
 						"redis provider: no reply "
 						"from the server in time");
@@ -757,6 +804,36 @@ kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 	return rc;
 }
 
+int
+kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns)
+{
+	while (c->owed > 0) {
+		void *reply = NULL;
+		int r;
+
+		if (redisGetReplyFromReader(c->ctx, &reply) != REDIS_OK) {
+			c->owed = 0;
+			return KL_EPROVIDER;
+		}
+		if (reply != NULL) {
+			freeReplyObject(reply);
+			c->owed--;
+			continue;
+		}
+		r = read_some(c, deadline_ns);
+		if (r == 0)
+			return KL_ETIMEDOUT;
+		if (r < 0) {
+			c->owed = 0;
+			return KL_EPROVIDER;
+		}
+	}
+	if (c->ctx->err != 0)
+		return KL_EPROVIDER;
+	c->broken = false;
+	return KL_OK;
+}
+
 int64_t
 kl__rconn_uptime_ms(const struct kl__rconn *c)
 {
@@ -773,6 +850,9 @@ kl__rconn_close(struct kl__rconn *c)
 {
 	if (c == NULL)
 		return;
+#ifdef HAVE_REDIS_TLS
+	kl__rtls_free(c->tls);
+#endif
 	/* redisFree only closes the socket: no QUIT is written, so closing
 	 * a connection inherited over fork() does not disturb the parent. */
 	if (c->ctx != NULL)
@@ -898,6 +978,36 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 	return KL_OK;
 }
 
+/* Refuses a server that may evict keys: every key of a lock has an expiry,
+ * so the volatile-* policies may evict them as well as the allkeys-* ones,
+ * and a held lock evicted is granted again while its holder still believes
+ * it holds it.  Without maxmemory (0) Redis evicts nothing, whatever the
+ * policy; a server whose INFO does not tell its policy is taken as it is.
+ * INFO is read again on every new connection, so a server reconfigured
+ * later is refused from its next connection on. */
+static int
+check_eviction(struct kl__rconn *c, const struct kl__redis_conf *conf,
+	       const char *info, kl_error *err)
+{
+	char policy[64], max[32];
+
+	if (conf->allow_eviction ||
+	    !info_field(info, "maxmemory_policy", policy, sizeof policy) ||
+	    strcmp(policy, "noeviction") == 0)
+		return KL_OK;
+	if (info_field(info, "maxmemory", max, sizeof max) &&
+	    strcmp(max, "0") == 0)
+		return KL_OK;
+	c->broken = true;
+	kl__redis_error(err, KL_EPROVIDER,
+			"redis provider: the server may evict held locks "
+			"(maxmemory-policy %s, maxmemory set): set "
+			"maxmemory-policy noeviction, or add eviction=allow to "
+			"the URI to accept the risk",
+			policy);
+	return KL_EPROVIDER;
+}
+
 /* With appendonly on, asks whether every write is fsynced: only then do
  * locks survive a crash of the server.  A server that refuses CONFIG (it
  * may be renamed) counts as not persistent. */
@@ -973,6 +1083,13 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	deadline = kl__redis_deadline(conf->timeout_ms);
 	if (cap_ns < deadline)
 		deadline = cap_ns;
+#ifdef HAVE_REDIS_TLS
+	if (conf->tls &&
+	    (rc = kl__rtls_start(c, conf, deadline, err)) != KL_OK) {
+		kl__rconn_close(c);
+		return rc;
+	}
+#endif
 
 	/* One round trip: AUTH, SELECT, INFO and the scripts, pipelined. */
 	rc = KL_OK;
@@ -1015,6 +1132,15 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	}
 	if (rc == KL_OK)
 		rc = roundtrip(c, deadline, n, rep, err);
+	/* A TLS port closes (or resets) on the first bytes of a plain
+	 * client. */
+	if (rc == KL_EPROVIDER && !conf->tls && err != NULL &&
+	    (c->ctx->err == REDIS_ERR_EOF || c->ctx->err == REDIS_ERR_IO)) {
+		size_t len = strlen(err->message);
+
+		snprintf(err->message + len, sizeof err->message - len,
+			 "; if the server wants TLS, use rediss://");
+	}
 	if (rc != KL_OK) {
 		kl__rconn_close(c);
 		return rc;
@@ -1039,6 +1165,8 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 	}
 	if (rc == KL_OK)
 		rc = identify(c, rep[info], err);
+	if (rc == KL_OK)
+		rc = check_eviction(c, conf, rep[info]->str, err);
 	for (i = info + 1; rc == KL_OK && i < n; i++) {
 		redisReply *r = rep[i];
 

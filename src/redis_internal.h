@@ -3,8 +3,9 @@
  * Private declarations of libkeylock-redis, shared by its modules:
  * redis_config.c (URI and password), redis_conn.c (one connection: connect,
  * authenticate, identify the server, send commands and scripts with
- * deadlines), redis_sha256.c (key digests) and provider_redis.c (the
- * provider: pool, acquire and wait, release, renewal thread).
+ * deadlines), redis_tls.c (rediss://, with OpenSSL), redis_sha256.c (key
+ * digests) and provider_redis.c (the provider: pool, acquire and wait,
+ * release, renewal thread).
  *
  * This library links libkeylock.so and so sees only its public kl_*
  * functions; the kl__redis_* helpers here are hidden by the build
@@ -19,6 +20,9 @@
 #include <sys/types.h>
 
 #include <hiredis.h>
+
+struct ssl_ctx_st;
+struct kl__rtls;
 
 #include "keylock.h"
 #include "keylock/redis.h"
@@ -47,11 +51,22 @@ struct kl__redis_conf {
 	int64_t connect_timeout_ms;
 	int64_t heartbeat_ms;
 	int64_t restart_guard_ms; /* KL_R_GUARD_AUTO or >= 0 */
+	bool allow_eviction;      /* eviction=allow: maxmemory-policy unchecked */
+	/* rediss://: TLS with certificate and host name verification. */
+	bool tls;
+	char *tls_ca;          /* NULL: OpenSSL's default CA store */
+	char *tls_ca_dir;
+	char *tls_cert;        /* client certificate and its key, or NULL */
+	char *tls_key;
+	char *tls_server_name; /* NULL: the host (SNI and verification) */
+	struct ssl_ctx_st *tls_ctx; /* SSL_CTX of all the connections */
 };
 
-/* Parses uri into conf (zeroed first).  KL_OK; KL_EINVAL for a malformed
- * URI or option; KL_EPROVIDER for TLS or an unsafe or unreadable password
- * file; KL_ENOMEM.  On failure conf holds nothing. */
+/* Parses uri into conf (zeroed first) and, for rediss://, makes its TLS
+ * context.  KL_OK; KL_EINVAL for a malformed URI or option; KL_EPROVIDER
+ * for TLS in a build without it, an unusable CA, certificate or key file,
+ * or an unsafe or unreadable password file; KL_ENOMEM.  On failure conf
+ * holds nothing. */
 KL_RHIDDEN int kl__redis_conf_parse(struct kl__redis_conf *conf,
 				    const char *uri, kl_error *err);
 KL_RHIDDEN void kl__redis_conf_clear(struct kl__redis_conf *conf);
@@ -74,6 +89,13 @@ KL_RHIDDEN bool kl__redis_random(void *buf, size_t n);
 /* Overwrites n bytes so that the compiler cannot drop the stores. */
 KL_RHIDDEN void kl__redis_wipe(void *p, size_t n);
 
+/* redis_tls.c (built with OpenSSL only: HAVE_REDIS_TLS).  The context
+ * loads the CA, the client certificate and key of conf once; its messages
+ * name the files, never what they hold.  KL_OK, KL_EPROVIDER, KL_ENOMEM. */
+KL_RHIDDEN int kl__redis_tls_ctx_new(struct kl__redis_conf *conf,
+				     kl_error *err);
+KL_RHIDDEN void kl__redis_tls_ctx_free(struct kl__redis_conf *conf);
+
 /* redis_sha256.c: the SHA-256 digest of data in lowercase hex. */
 KL_RHIDDEN void kl__redis_sha256_hex(const void *data, size_t len,
 				     char out[65]);
@@ -94,12 +116,15 @@ struct kl__rconn {
 	redisContext *ctx;
 	pid_t pid;          /* the process that connected */
 	bool broken;        /* failed or timed out: close, never reuse */
+	int owed;           /* replies still due when a command timed out
+			     * (0 when the connection failed otherwise) */
 	int64_t rcv_ns;     /* SO_RCVTIMEO: the longest blocking recv() */
 	int64_t up_ms;      /* server uptime by its INFO (a lower bound) */
 	int64_t t0_ns;      /* our clock when INFO had answered */
 	bool persistent;    /* appendonly yes and appendfsync always */
 	uint64_t epoch;     /* the provider's count of restarts seen, when
 			     * connected (set by provider_redis.c) */
+	struct kl__rtls *tls; /* rediss://: the TLS session, or NULL */
 	char run_id[41];    /* the server's INFO run_id */
 	int version;        /* major * 100 + minor */
 	char sha[KL_RS_COUNT][41];
@@ -129,9 +154,37 @@ KL_RHIDDEN int kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 				int nargs, const char **args,
 				const size_t *alens, redisReply **reply,
 				kl_error *err);
+/* Reads and discards the c->owed replies of commands that timed out, by
+ * deadline_ns; the server runs a connection's commands in order, so once
+ * they are in, nothing sent on c before is still to run.  KL_OK (c is in
+ * step again and no longer broken), KL_ETIMEDOUT (some are still due: call
+ * again later), KL_EPROVIDER (the connection failed: close it). */
+KL_RHIDDEN int kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns);
 /* The server's uptime in milliseconds now, as estimated from the uptime
  * INFO gave when c connected and our clock since: never more than the
  * real uptime (INFO's whole seconds may be up to one too many). */
 KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
+
+/* redis_tls.c: the TLS session of c, whose socket is connected.  The
+ * handshake (SNI, certificate and host name verification) ends by
+ * deadline_ns.  KL_OK; KL_EPROVIDER with err naming the verification
+ * failure; KL_ENOMEM.  kl__rtls_free never writes to the socket (no
+ * close_notify), so a child of fork() may close an inherited session. */
+KL_RHIDDEN int kl__rtls_start(struct kl__rconn *c,
+			      const struct kl__redis_conf *conf,
+			      int64_t deadline_ns, kl_error *err);
+KL_RHIDDEN void kl__rtls_free(struct kl__rtls *t);
+/* As send() and recv() on the socket (blocking, SO_SNDTIMEO and
+ * SO_RCVTIMEO bound them; MSG_NOSIGNAL): > 0 bytes, 0 at the end of the
+ * stream, -1 with errno (EAGAIN: try again; EPROTO: a TLS error, described
+ * in buf by kl__rtls_error).  nowait: read only what has arrived. */
+KL_RHIDDEN ssize_t kl__rtls_send(struct kl__rtls *t, const void *p,
+				 size_t n);
+KL_RHIDDEN ssize_t kl__rtls_recv(struct kl__rtls *t, void *p, size_t n,
+				 bool nowait);
+/* Whether decrypted bytes wait in the session (poll() cannot see them). */
+KL_RHIDDEN bool kl__rtls_pending(struct kl__rtls *t);
+/* The last TLS error of t, for a message. */
+KL_RHIDDEN const char *kl__rtls_error(struct kl__rtls *t);
 
 #endif /* KL_REDIS_INTERNAL_H */

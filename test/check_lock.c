@@ -6,7 +6,9 @@
  * timeouts and cancellation (also racing a grant), events and their
  * delivery with no internal lock held, run-under-lock on every path, leases,
  * fences, non-reentrancy and error-check, user providers that fail, option
- * copying and validation, and a mutual exclusion stress.
+ * copying and validation, run-under-lock with the lease (kl_lock_run_lease:
+ * the lease fn gets, events, every path, a release by fn, a fenced store),
+ * and a mutual exclusion stress.
  *
  * Orders are forced through kl_memory_provider_queue_size (a public probe
  * of the memory provider: threads waiting for a key), never by sleeping.
@@ -174,6 +176,7 @@ struct lw {
 	kl_lock *l;
 	kl_call call;
 	atomic_int *next_seq; /* grant ranks, may be NULL */
+	bool lease_fn;        /* kl_lock_run_lease instead of kl_lock_run */
 	/* Outputs. */
 	int rc;
 	int seq;
@@ -195,21 +198,40 @@ lw_fn(void *arg)
 	return 11;
 }
 
+static int
+lw_lease_fn(kl_lease *lease, void *arg)
+{
+	struct lw *w = arg;
+
+	if (lease == NULL || !kl_lease_valid(lease))
+		return -1;
+	return lw_fn(w);
+}
+
 static void *
 lw_main(void *arg)
 {
 	struct lw *w = arg;
 
 	w->start_ns = now_ns();
-	w->rc = kl_lock_run(w->l, &w->call, lw_fn, w, &w->fn_result, &w->err);
+	if (w->lease_fn)
+		w->rc = kl_lock_run_lease(w->l, &w->call, lw_lease_fn, w,
+					  &w->fn_result, &w->err);
+	else
+		w->rc = kl_lock_run(w->l, &w->call, lw_fn, w, &w->fn_result,
+				    &w->err);
 	w->end_ns = now_ns();
 	atomic_store(&w->done, true);
 	return NULL;
 }
 
+/* With lease_fn, the thread calls kl_lock_run_lease (whose fn checks that
+ * its lease is valid, then does what lw_fn does). */
 static void
-lw_start(struct lw *w, kl_lock *l, const char *call_key, kl_cancel *c)
+lw_start_as(struct lw *w, kl_lock *l, const char *call_key, kl_cancel *c,
+	    bool lease_fn)
 {
+	w->lease_fn = lease_fn;
 	w->l = l;
 	w->call.key = call_key;
 	w->call.cancel = c;
@@ -219,6 +241,12 @@ lw_start(struct lw *w, kl_lock *l, const char *call_key, kl_cancel *c)
 	memset(&w->err, 0, sizeof w->err);
 	atomic_init(&w->done, false);
 	test_thread_start(&w->th, lw_main, w);
+}
+
+static void
+lw_start(struct lw *w, kl_lock *l, const char *call_key, kl_cancel *c)
+{
+	lw_start_as(w, l, call_key, c, false);
 }
 
 static bool
@@ -446,9 +474,10 @@ START_TEST(test_grants_in_arrival_order)
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
 	for (int i = 0; i < FIFO_N; i++) {
 		w[i].next_seq = &next;
-		/* Half through the lock's key, half through the call's. */
-		lw_start(&w[i], i % 2 ? l : callers, i % 2 ? NULL : "fifo",
-			 NULL);
+		/* Half through the lock's key, half through the call's;
+		 * half in kl_lock_run, half in kl_lock_run_lease. */
+		lw_start_as(&w[i], i % 2 ? l : callers, i % 2 ? NULL : "fifo",
+			    NULL, i % 4 >= 2);
 		wait_queue(p, "fifo", (size_t)i + 1);
 	}
 	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
@@ -1079,6 +1108,8 @@ struct up {
 	bool held;
 	int acquires, releases;
 	int acquire_status, release_status;
+	uint64_t fence;    /* the last one handed out */
+	atomic_bool lost;  /* what its valid operation reports */
 	char lease_cookie;
 };
 
@@ -1111,7 +1142,7 @@ up_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			pthread_cond_wait(&u->cv, &u->mu);
 		u->held = true;
 		*lease = &u->lease_cookie;
-		*fence = 1;
+		*fence = ++u->fence;
 	}
 	pthread_mutex_unlock(&u->mu);
 	return rc;
@@ -1137,11 +1168,21 @@ up_release(void *impl, void *lease, kl_error *err)
 	return rc;
 }
 
+static bool
+up_valid(void *impl, void *lease)
+{
+	struct up *u = impl;
+
+	(void)lease;
+	return !atomic_load(&u->lost);
+}
+
 static const kl_provider_ops up_ops = {
 	.struct_size = sizeof(kl_provider_ops),
 	.name = "up",
 	.acquire = up_acquire,
 	.release = up_release,
+	.valid = up_valid,
 };
 
 static kl_provider *
@@ -1228,6 +1269,552 @@ START_TEST(test_acquire_failure_provider)
 	kl_lock_free(l);
 	up_free(&u, p);
 	evlog_fini(&g);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Run with the lease                                                  */
+
+/* What fn saw of the lease it was lent. */
+struct seen {
+	kl_provider *p;   /* a memory provider to probe, or NULL */
+	struct evlog *g;  /* the lock's events, or NULL */
+	int calls;
+	bool lease_null;
+	char key[64];
+	uint64_t fence;
+	bool valid;
+	bool held;        /* another lock could not take the key */
+	int events;       /* g->n while fn ran */
+	int ret;          /* what fn returns */
+	int releases;     /* kl_lease_release calls fn makes (misuse) */
+	bool valid_after; /* kl_lease_valid after those releases */
+	uint64_t fence_after;
+	int64_t sleep_ms;
+};
+
+static int
+fn_seen(kl_lease *lease, void *arg)
+{
+	struct seen *s = arg;
+
+	s->calls++;
+	s->lease_null = lease == NULL;
+	if (lease == NULL)
+		return s->ret;
+	snprintf(s->key, sizeof s->key, "%s",
+		 kl_lease_key(lease) != NULL ? kl_lease_key(lease) : "(null)");
+	s->fence = kl_lease_fence(lease);
+	s->valid = kl_lease_valid(lease);
+	if (s->p != NULL)
+		s->held = !key_free(s->p, s->key);
+	if (s->g != NULL) {
+		pthread_mutex_lock(&s->g->mu);
+		s->events = s->g->n;
+		pthread_mutex_unlock(&s->g->mu);
+	}
+	for (int i = 0; i < s->releases; i++)
+		kl_lease_release(lease);
+	if (s->releases > 0) {
+		/* The lease still works: the key is held until fn returns. */
+		s->valid_after = kl_lease_valid(lease);
+		s->fence_after = kl_lease_fence(lease);
+		if (s->p != NULL)
+			s->held = s->held && !key_free(s->p, s->key);
+	}
+	if (s->sleep_ms > 0)
+		test_sleep_ms(s->sleep_ms); /* a duration under test: held_ms */
+	return s->ret;
+}
+
+/* fn gets a valid lease on the resolved key, the key is held while fn
+ * runs, its fence grows with every run (also across kl_lock_acquire
+ * grants), fn's value reaches *fn_result; on a lock without a hook (the
+ * lease in the key's entry) and with one (the lease on the stack). */
+START_TEST(test_run_lease_gets_lease)
+{
+	kl_provider *p = private_provider();
+	struct evlog g;
+	kl_lock *locks[3];
+
+	evlog_init(&g);
+	locks[0] = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	locks[1] = lock_make(p, NULL, KL_FOREVER, 0, evlog_fn, &g);
+	locks[2] = lock_make(p, "own key", KL_FOREVER, 0, NULL, NULL);
+	for (int li = 0; li < 3; li++) {
+		static const char *const keys[] = { "k", "a call key longer "
+						      "than sixteen bytes" };
+		kl_lock *l = locks[li];
+
+		for (int ki = 0; ki < 2; ki++) {
+			char key[64];
+			kl_call call = { .key = key, .cancel = NULL };
+			const char *want = li == 2 ? "own key" : keys[ki];
+			uint64_t last = 0;
+
+			snprintf(key, sizeof key, "%s", keys[ki]);
+			for (int i = 0; i < 10; i++) {
+				struct seen s = { .p = p, .ret = 100 + i };
+				kl_lease *lease = NULL;
+				kl_error err;
+				int res = -1;
+
+				memset(&err, 0x55, sizeof err);
+				ck_assert_int_eq(kl_lock_run_lease(l, &call,
+								   fn_seen, &s,
+								   &res, &err),
+						 KL_OK);
+				ck_assert_int_eq(err.status, KL_OK);
+				ck_assert_int_eq(s.calls, 1);
+				ck_assert(!s.lease_null);
+				ck_assert_str_eq(s.key, want);
+				ck_assert(s.valid);
+				ck_assert(s.held);
+				ck_assert_msg(s.fence > last,
+					      "lock %d: fence %llu after %llu",
+					      li, (unsigned long long)s.fence,
+					      (unsigned long long)last);
+				ck_assert_int_eq(res, 100 + i);
+				ck_assert(key_free(p, want));
+				ck_assert_uint_eq(kl_memory_provider_size(p),
+						  0);
+				/* A grant by kl_lock_acquire in between
+				 * counts too. */
+				ck_assert_int_eq(kl_lock_acquire(l, &call,
+								 &lease, NULL),
+						 KL_OK);
+				ck_assert_uint_gt(kl_lease_fence(lease),
+						  s.fence);
+				last = kl_lease_fence(lease);
+				kl_lease_release(lease);
+			}
+		}
+	}
+	for (int li = 0; li < 3; li++)
+		kl_lock_free(locks[li]);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+static int
+fn_lease_return(kl_lease *lease, void *arg)
+{
+	(void)lease;
+	return *(int *)arg;
+}
+
+START_TEST(test_run_lease_releases_on_every_path)
+{
+	kl_provider *p = private_provider();
+	const int values[] = { 0, 42, -1, KL_ETIMEDOUT, KL_EPROVIDER,
+			       KL_EINVAL };
+	struct evlog g;
+	kl_lock *locks[2];
+
+	evlog_init(&g);
+	locks[0] = lock_make(p, "run", KL_FOREVER, 0, NULL, NULL);
+	locks[1] = lock_make(p, "run", KL_FOREVER, 0, evlog_fn, &g);
+	for (int li = 0; li < 2; li++) {
+		for (size_t i = 0; i < sizeof values / sizeof values[0];
+		     i++) {
+			int v = values[i], res = 12345;
+			kl_error err;
+
+			memset(&err, 0x55, sizeof err);
+			ck_assert_int_eq(kl_lock_run_lease(locks[li], NULL,
+							   fn_lease_return, &v,
+							   &res, &err),
+					 KL_OK);
+			ck_assert_int_eq(res, v);
+			ck_assert_int_eq(err.status, KL_OK);
+			ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+			ck_assert(key_free(p, "run"));
+			/* fn_result and err may be NULL. */
+			ck_assert_int_eq(kl_lock_run_lease(locks[li], NULL,
+							   fn_lease_return, &v,
+							   NULL, NULL),
+					 KL_OK);
+			ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+			ck_assert(key_free(p, "run"));
+		}
+	}
+	/* Each run of the hooked lock: one ACQUIRED, one RELEASED. */
+	ck_assert_int_eq(g.n, 4 * 6);
+	for (int i = 0; i < g.n; i++)
+		check_event(&g, i, i % 2 == 0 ? KL_EV_ACQUIRED : KL_EV_RELEASED,
+			    "run", KL_OK);
+	kl_lock_free(locks[0]);
+	kl_lock_free(locks[1]);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* The events of kl_lock_run: ACQUIRED before fn runs, RELEASED after it
+ * returned, with held_ms covering fn's time; a waiter's ACQUIRED tells
+ * how long it waited. */
+START_TEST(test_run_lease_events)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "ev", KL_FOREVER, 0, NULL, NULL);
+	struct seen s = { .sleep_ms = 20, .ret = 3 };
+	kl_lease *lease = NULL;
+	struct evlog g;
+	kl_lock *l;
+	int res = 0;
+
+	evlog_init(&g);
+	s.g = &g;
+	l = lock_make(p, "ev", KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_seen, &s, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 3);
+	ck_assert_int_eq(s.events, 1); /* ACQUIRED only, while fn ran */
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 0, KL_EV_ACQUIRED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[0].waited_ms, 0);
+	check_event(&g, 1, KL_EV_RELEASED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[1].held_ms, 20);
+	ck_assert_int_lt(g.ev[1].held_ms, 5000);
+
+	/* A waiter: a thread in kl_lock_run_lease behind a holder. */
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	{
+		struct lw w;
+
+		memset(&w, 0, sizeof w);
+		lw_start_as(&w, l, NULL, NULL, true);
+		wait_queue(p, "ev", 1);
+		test_sleep_ms(30); /* a duration under test: waited_ms */
+		kl_lease_release(lease);
+		lw_join(&w);
+		ck_assert_int_eq(w.rc, KL_OK);
+		ck_assert_int_eq(w.ran, 1);
+		ck_assert_int_eq(w.fn_result, 11);
+	}
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 2, KL_EV_ACQUIRED, "ev", KL_OK);
+	ck_assert_int_ge(g.ev[2].waited_ms, 30);
+	ck_assert_int_lt(g.ev[2].waited_ms, 5000);
+	check_event(&g, 3, KL_EV_RELEASED, "ev", KL_OK);
+	kl_lock_free(h);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* Not acquired: fn is not called, the status and err say why, REJECTED
+ * is raised; bad arguments are KL_EINVAL. */
+START_TEST(test_run_lease_not_acquired)
+{
+	kl_provider *p = private_provider();
+	kl_lock *h = lock_make(p, "slow", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *nokey = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	struct seen s = { .ret = 1 };
+	kl_lease *lease = NULL;
+	kl_cancel *c = NULL;
+	struct evlog g;
+	kl_error err;
+	int64_t t0, t1;
+	kl_lock *l;
+	int res = 77;
+
+	evlog_init(&g);
+	ck_assert_int_eq(kl_lock_acquire(h, NULL, &lease, NULL), KL_OK);
+	for (int timeout = 0; timeout <= 50; timeout += 50) {
+		l = lock_make(p, "slow", timeout, 0, evlog_fn, &g);
+		memset(&err, 0, sizeof err);
+		t0 = now_ns();
+		ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_seen, &s, &res,
+						   &err),
+				 KL_ETIMEDOUT);
+		t1 = now_ns();
+		ck_assert_int_ge(t1 - t0, timeout * 1000000LL); /* not early */
+		ck_assert_int_lt(t1 - t0, 5000 * 1000000LL);
+		ck_assert_int_eq(s.calls, 0);
+		ck_assert_int_eq(res, 77);
+		ck_assert_int_eq(err.status, KL_ETIMEDOUT);
+		ck_assert(err.message[0] != '\0');
+		kl_lock_free(l);
+	}
+	ck_assert_int_eq(g.n, 2);
+	check_event(&g, 0, KL_EV_REJECTED, "slow", KL_ETIMEDOUT);
+	check_event(&g, 1, KL_EV_REJECTED, "slow", KL_ETIMEDOUT);
+	ck_assert_uint_eq(kl_memory_provider_queue_size(p, "slow"), 0);
+
+	/* A fired cancel token: KL_ECANCELED, held key or not. */
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	kl_cancel_fire(c);
+	l = lock_make(p, "slow", KL_FOREVER, 0, NULL, NULL);
+	ck_assert_int_eq(kl_lock_run_lease(l, &(kl_call){ .cancel = c },
+					   fn_seen, &s, &res, &err),
+			 KL_ECANCELED);
+	ck_assert_int_eq(err.status, KL_ECANCELED);
+	kl_lease_release(lease);
+	ck_assert_int_eq(kl_lock_run_lease(l, &(kl_call){ .cancel = c },
+					   fn_seen, &s, &res, &err),
+			 KL_ECANCELED);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert_int_eq(res, 77);
+
+	/* No key; no lock; no function. */
+	ck_assert_int_eq(kl_lock_run_lease(nokey, NULL, fn_seen, &s, &res,
+					   &err),
+			 KL_ENOKEY);
+	ck_assert_int_eq(err.status, KL_ENOKEY);
+	ck_assert_int_eq(kl_lock_run_lease(NULL, NULL, fn_seen, &s, &res,
+					   &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(err.status, KL_EINVAL);
+	ck_assert_int_eq(kl_lock_run_lease(l, NULL, NULL, &s, &res, NULL),
+			 KL_EINVAL);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert_int_eq(res, 77);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_cancel_free(c);
+	kl_lock_free(l);
+	kl_lock_free(h);
+	kl_lock_free(nokey);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* A provider's leases (the lease on the stack): fn gets the fence the
+ * provider issued for this grant and the provider's validity, which can
+ * turn false while fn runs. */
+static int
+fn_loses(kl_lease *lease, void *arg)
+{
+	struct up *u = arg;
+	int r = 0;
+
+	if (kl_lease_valid(lease) && kl_lease_fence(lease) == u->fence)
+		r |= 1;
+	atomic_store(&u->lost, true); /* the renewal failed, say */
+	if (!kl_lease_valid(lease))
+		r |= 2;
+	return r;
+}
+
+START_TEST(test_run_lease_provider)
+{
+	struct evlog g;
+	struct seen s;
+	kl_provider *p;
+	struct up u;
+	kl_lock *l;
+	int res = 0;
+
+	evlog_init(&g);
+	p = up_new(&u);
+	l = lock_make(p, "up", KL_FOREVER, 0, evlog_fn, &g);
+	for (uint64_t i = 1; i <= 3; i++) {
+		memset(&s, 0, sizeof s);
+		ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_seen, &s, &res,
+						   NULL),
+				 KL_OK);
+		ck_assert_str_eq(s.key, "up");
+		ck_assert_uint_eq(s.fence, i);
+		ck_assert(s.valid);
+	}
+	ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_loses, &u, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 3);
+	ck_assert_int_eq(u.releases, 4);
+	ck_assert(!u.held);
+
+	/* A failed release is reported and the result stands. */
+	u.release_status = KL_EPROVIDER;
+	memset(&s, 0, sizeof s);
+	s.ret = 8;
+	ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_seen, &s, &res, NULL),
+			 KL_OK);
+	ck_assert_int_eq(res, 8);
+	ck_assert_int_eq(u.releases, 5);
+	ck_assert_int_eq(g.n, 10);
+	check_event(&g, 8, KL_EV_ACQUIRED, "up", KL_OK);
+	check_event(&g, 9, KL_EV_RELEASE_FAILED, "up", KL_EPROVIDER);
+
+	/* A provider that cannot be asked: REJECTED, fn not called. */
+	u.acquire_status = KL_EPROVIDER;
+	memset(&s, 0, sizeof s);
+	ck_assert_int_eq(kl_lock_run_lease(l, NULL, fn_seen, &s, &res, NULL),
+			 KL_EPROVIDER);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert_int_eq(g.n, 11);
+	check_event(&g, 10, KL_EV_REJECTED, "up", KL_EPROVIDER);
+	kl_lock_free(l);
+	up_free(&u, p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* Misuse: fn releases the lease it was lent (twice).  That release does
+ * nothing: the key stays held and the lease readable until fn returns;
+ * then the key is released once, with one RELEASED event, and the call
+ * returns KL_EINVAL with fn's result set.  The stack lease (hooked lock,
+ * user provider) is not freed, the key not released twice. */
+START_TEST(test_run_lease_fn_releases)
+{
+	kl_provider *p = private_provider();
+	struct evlog g;
+	kl_lock *locks[2];
+	struct up u;
+	kl_provider *up;
+	kl_lock *ul;
+
+	evlog_init(&g);
+	locks[0] = lock_make(p, "mis", KL_FOREVER, 0, NULL, NULL);
+	locks[1] = lock_make(p, "mis", KL_FOREVER, 0, evlog_fn, &g);
+	for (int li = 0; li < 2; li++) {
+		struct seen s = { .p = p, .releases = 2, .ret = 9 };
+		kl_error err;
+		int res = 0;
+
+		memset(&err, 0, sizeof err);
+		ck_assert_int_eq(kl_lock_run_lease(locks[li], NULL, fn_seen,
+						   &s, &res, &err),
+				 KL_EINVAL);
+		ck_assert_int_eq(res, 9);
+		ck_assert_int_eq(err.status, KL_EINVAL);
+		ck_assert(strstr(err.message, "released") != NULL);
+		ck_assert(s.held);
+		ck_assert(s.valid_after);
+		ck_assert_uint_eq(s.fence_after, s.fence);
+		ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+		ck_assert(key_free(p, "mis"));
+		/* The next run is a normal one. */
+		s.releases = 0;
+		ck_assert_int_eq(kl_lock_run_lease(locks[li], NULL, fn_seen,
+						   &s, &res, &err),
+				 KL_OK);
+		ck_assert(key_free(p, "mis"));
+	}
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 0, KL_EV_ACQUIRED, "mis", KL_OK);
+	check_event(&g, 1, KL_EV_RELEASED, "mis", KL_OK);
+
+	up = up_new(&u);
+	ul = lock_make(up, "mis", KL_FOREVER, 0, NULL, NULL);
+	{
+		struct seen s = { .releases = 3, .ret = 4 };
+		int res = 0;
+
+		ck_assert_int_eq(kl_lock_run_lease(ul, NULL, fn_seen, &s, &res,
+						   NULL),
+				 KL_EINVAL);
+		ck_assert_int_eq(res, 4);
+		ck_assert_int_eq(u.releases, 1);
+		ck_assert(!u.held);
+	}
+	kl_lock_free(ul);
+	up_free(&u, up);
+	kl_lock_free(locks[0]);
+	kl_lock_free(locks[1]);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* Threads write through a fenced store (it refuses a fence not above the
+ * last one it accepted) under kl_lock_run_lease on one key, with and
+ * without a hook (both lease kinds hand the key to each other): no write
+ * is refused and none is lost. */
+#define FS_THREADS 4
+
+struct fstore {
+	pthread_mutex_t mu; /* the store's own lock, not the key's */
+	uint64_t last_fence;
+	long accepted, refused;
+	long value; /* read-modify-write under the key only */
+};
+
+struct fs_worker {
+	pthread_t th;
+	kl_lock *l;
+	struct fstore *st;
+	long iters;
+	atomic_long failures;
+};
+
+static int
+fs_write(kl_lease *lease, void *arg)
+{
+	struct fstore *st = arg;
+	uint64_t fence = kl_lease_fence(lease);
+	long v = st->value; /* the protected read-modify-write */
+	int ok;
+
+	pthread_mutex_lock(&st->mu);
+	ok = fence > st->last_fence;
+	if (ok) {
+		st->last_fence = fence;
+		st->accepted++;
+	} else {
+		st->refused++;
+	}
+	pthread_mutex_unlock(&st->mu);
+	if (ok)
+		st->value = v + 1;
+	return ok ? 0 : -1;
+}
+
+static void *
+fs_main(void *arg)
+{
+	struct fs_worker *w = arg;
+
+	for (long i = 0; i < w->iters; i++) {
+		int res = 1;
+
+		if (kl_lock_run_lease(w->l, &(kl_call){ .key = "store" },
+				      fs_write, w->st, &res, NULL) != KL_OK ||
+		    res != 0)
+			atomic_fetch_add(&w->failures, 1);
+	}
+	return NULL;
+}
+
+static void
+ev_ignore(const kl_event *ev, void *arg)
+{
+	(void)ev;
+	(void)arg;
+}
+
+START_TEST(test_run_lease_fenced_store)
+{
+	kl_provider *p = private_provider();
+	struct fs_worker w[FS_THREADS];
+	struct fstore st;
+	long iters = kl_test_scaled(20000, 200), failures = 0;
+
+	memset(&st, 0, sizeof st);
+	pthread_mutex_init(&st.mu, NULL);
+	for (int i = 0; i < FS_THREADS; i++) {
+		w[i].l = lock_make(p, NULL, KL_FOREVER, 0,
+				   i % 2 == 0 ? NULL : ev_ignore, NULL);
+		w[i].st = &st;
+		w[i].iters = iters;
+		atomic_init(&w[i].failures, 0);
+		test_thread_start(&w[i].th, fs_main, &w[i]);
+	}
+	for (int i = 0; i < FS_THREADS; i++) {
+		test_thread_join(w[i].th);
+		failures += atomic_load(&w[i].failures);
+		kl_lock_free(w[i].l);
+	}
+	ck_assert_msg(failures == 0, "%ld runs failed or were refused",
+		      failures);
+	ck_assert_int_eq(st.refused, 0);
+	ck_assert_int_eq(st.accepted, iters * FS_THREADS);
+	ck_assert_int_eq(st.value, iters * FS_THREADS);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	pthread_mutex_destroy(&st.mu);
+	kl_provider_free(p);
 }
 END_TEST
 
@@ -1390,6 +1977,17 @@ lock_suite(void)
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_release_failure_event);
 	tcase_add_test(tc, test_acquire_failure_provider);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("run_lease");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_run_lease_gets_lease);
+	tcase_add_test(tc, test_run_lease_releases_on_every_path);
+	tcase_add_test(tc, test_run_lease_events);
+	tcase_add_test(tc, test_run_lease_not_acquired);
+	tcase_add_test(tc, test_run_lease_provider);
+	tcase_add_test(tc, test_run_lease_fn_releases);
+	tcase_add_test(tc, test_run_lease_fenced_store);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("stress");

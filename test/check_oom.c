@@ -571,6 +571,109 @@ START_TEST(test_oom_lock_run)
 }
 END_TEST
 
+static int
+lease_fn(kl_lease *lease, void *arg)
+{
+	struct ctx *x = arg;
+
+	x->fn_calls++;
+	/* fn is only called once the key is held: its lease is whole. */
+	ck_assert_str_eq(kl_lease_key(lease), "epsilon: a key longer than "
+					      "sixteen bytes");
+	ck_assert(kl_lease_valid(lease));
+	ck_assert_uint_gt(kl_lease_fence(lease), 0);
+	return 43;
+}
+
+/* A key too long for a slot, so that its entry is allocated. */
+static int
+run_lock_run_lease(struct ctx *x)
+{
+	kl_call call = {
+		.key = "epsilon: a key longer than sixteen bytes",
+		.cancel = NULL,
+	};
+	int rc;
+
+	x->fn_result = -1;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_run_lease(x->lock, &call, lease_fn, x, &x->fn_result,
+			       &x->err);
+	if (rc == KL_OK) {
+		ck_assert_int_eq(x->fn_calls, 1);
+		ck_assert_int_eq(x->fn_result, 43);
+	} else {
+		ck_assert_int_eq(x->fn_calls, 0);
+		ck_assert_int_eq(x->fn_result, -1);
+		ck_assert_int_eq(x->err.status, rc);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return rc;
+}
+
+START_TEST(test_oom_lock_run_lease)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_run_lease",
+		.setup = setup_provider_lock,
+		.run = run_lock_run_lease,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+/* Events, counted (the hook allocates nothing). */
+static int hooked_events;
+
+static void
+count_event(const kl_event *ev, void *arg)
+{
+	(void)ev;
+	(void)arg;
+	hooked_events++;
+}
+
+/* As setup_provider_lock, with an event hook: the lease lent to fn is
+ * then on run's stack, not in the key's entry. */
+static void
+setup_provider_hooked_lock(struct ctx *x)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+
+	ck_assert_int_eq(kl_memory_provider_new(&x->provider), KL_OK);
+	o.provider = x->provider;
+	o.on_event = count_event;
+	ck_assert_int_eq(kl_lock_new(&x->lock, &o), KL_OK);
+	hooked_events = 0;
+}
+
+static int
+run_lock_run_lease_hooked(struct ctx *x)
+{
+	int rc = run_lock_run_lease(x);
+
+	/* ACQUIRED and RELEASED, or REJECTED. */
+	ck_assert_int_eq(hooked_events, rc == KL_OK ? 2 : 1);
+	return rc;
+}
+
+START_TEST(test_oom_lock_run_lease_hooked)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_run_lease with an event hook",
+		.setup = setup_provider_hooked_lock,
+		.run = run_lock_run_lease_hooked,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
 START_TEST(test_hook_counts_allocations)
 {
 	kl_mutex *m;
@@ -621,6 +724,8 @@ oom_suite(void)
 	tcase_add_test(tc, test_oom_lock_new);
 	tcase_add_test(tc, test_oom_lock_acquire);
 	tcase_add_test(tc, test_oom_lock_run);
+	tcase_add_test(tc, test_oom_lock_run_lease);
+	tcase_add_test(tc, test_oom_lock_run_lease_hooked);
 	suite_add_tcase(s, tc);
 	return s;
 }

@@ -430,6 +430,31 @@ START_TEST(test_open_local)
 }
 END_TEST
 
+/* Schemes are case-insensitive (RFC 3986, 3.1). */
+START_TEST(test_open_scheme_case)
+{
+	char dir[] = "/tmp/kl-check-provider.XXXXXX";
+	char uri[sizeof dir + 8];
+	kl_provider *p = NULL;
+	kl_error err;
+
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_open(&p, "MEMORY:", &err), KL_OK);
+	ck_assert_ptr_eq(p, kl_memory_provider());
+	ck_assert_int_eq(kl_provider_open(&p, "Memory://", &err), KL_OK);
+	ck_assert_ptr_eq(p, kl_memory_provider());
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(uri, sizeof uri, "LOCAL:%s", dir);
+	ck_assert_msg(kl_provider_open(&p, uri, &err) == KL_OK, "%s: %s", uri,
+		      err.message);
+	ck_assert_int_eq(run_once(p, "pm:LOCAL"), KL_OK);
+	kl_provider_free(p);
+	nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	open_needs_library("REDIS://localhost:6379/0", "libkeylock-redis");
+	open_needs_library("PostgreSQL://x", "libkeylock-pg");
+}
+END_TEST
+
 START_TEST(test_open_garbage)
 {
 	open_fails("foo", KL_EINVAL);
@@ -747,6 +772,7 @@ provider_memory_suite(void)
 	tcase_add_test(tc, test_open_redis_needs_library);
 	tcase_add_test(tc, test_open_postgresql_needs_library);
 	tcase_add_test(tc, test_open_local);
+	tcase_add_test(tc, test_open_scheme_case);
 	tcase_add_test(tc, test_open_garbage);
 	suite_add_tcase(s, tc);
 

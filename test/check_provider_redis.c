@@ -19,7 +19,10 @@
  * files, the environment, never shown in messages) and the ACL the manual
  * documents; unreachable servers; malformed URIs; a stalled server
  * (SIGSTOP); and a server restart while a lease is held and a waiter
- * waits.
+ * waits.  Also: schemes in any case and options given twice; the message
+ * of a timeout; servers that may evict keys refused; against a stalled
+ * server, the bound on a wait past its timeout and the undoing of a grant
+ * that the server makes to an acquire that gave up.
  *
  * Each test uses a key prefix of its own, so that it can list and check
  * every Redis key it made.  Worker threads never call ck_assert*: they
@@ -34,6 +37,7 @@
 #endif
 
 #include <check.h>
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -1525,7 +1529,191 @@ START_TEST(test_bad_uris)
 
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
 		open_fails(bad[i], KL_EINVAL, "redis provider", 100);
-	open_fails("rediss://127.0.0.1:6379/0", KL_EPROVIDER, "TLS", 100);
+	/* TLS (check_redis_tls tests it): an unusable CA file, or a build
+	 * without TLS, is refused before connecting. */
+	open_fails("rediss://u:Canary-9@127.0.0.1:6379/0?tls_ca=/nonexistent/"
+		   "ca.pem",
+		   KL_EPROVIDER, "redis provider", 1000);
+}
+END_TEST
+
+/* kl_redis_provider_open itself, from the library kl_provider_open
+ * loads. */
+static int
+open_direct(kl_provider **p, const char *uri, kl_error *err)
+{
+	const char *dir = getenv("KEYLOCK_PROVIDER_DIR");
+	int (*fn)(kl_provider **, const char *, kl_error *);
+	char path[PATH_MAX];
+	void *h;
+
+	snprintf(path, sizeof path, "%s/libkeylock-redis.so.0",
+		 dir != NULL ? dir : ".");
+	h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+	ck_assert_msg(h != NULL, "dlopen %s: %s", path, dlerror());
+	*(void **)&fn = dlsym(h, "kl_redis_provider_open");
+	ck_assert_ptr_nonnull(fn);
+	return fn(p, uri, err);
+}
+
+/* Schemes are case-insensitive, through kl_provider_open and directly;
+ * an option given twice is refused with a message naming it. */
+START_TEST(test_uri_case_and_duplicates)
+{
+	static const char *const scheme[] = { "REDIS", "Redis", "rEdIs" };
+	char uri[1024];
+	kl_provider *p;
+	kl_error err;
+	struct hold h;
+	int rc;
+
+	for (size_t i = 0; i < sizeof scheme / sizeof scheme[0]; i++) {
+		uri_with(uri, sizeof uri, "restart_guard=0");
+		memcpy(uri, scheme[i], 5);
+		memset(&err, 0, sizeof err);
+		rc = kl_provider_open(&p, uri, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s: %s", uri, kl_strerror(rc),
+			      err.message);
+		take_ok(p, "case", 0, &h);
+		hold_free(&h);
+		kl_provider_free(p);
+		rc = open_direct(&p, uri, &err);
+		ck_assert_msg(rc == KL_OK, "direct %s: %s: %s", uri,
+			      kl_strerror(rc), err.message);
+		kl_provider_free(p);
+	}
+	/* uri_with gives prefix= already. */
+	uri_with(uri, sizeof uri, "ttl=1s&restart_guard=0&ttl=2s");
+	open_fails(uri, KL_EINVAL, "option ttl is given twice", 1000);
+	uri_with(uri, sizeof uri, "prefix=other");
+	open_fails(uri, KL_EINVAL, "option prefix is given twice", 1000);
+	uri_with(uri, sizeof uri, "eviction=allow&pool=2&eviction=refuse");
+	open_fails(uri, KL_EINVAL, "option eviction is given twice", 1000);
+	/* Refused by the library itself too. */
+	uri_with(uri, sizeof uri, "pool=2&pool=2");
+	p = (kl_provider *)&p;
+	ck_assert_int_eq(open_direct(&p, uri, &err), KL_EINVAL);
+	ck_assert_ptr_null(p);
+	ck_assert_ptr_nonnull(strstr(err.message, "option pool is given "
+						  "twice"));
+}
+END_TEST
+
+/* A KL_ETIMEDOUT says that the wait timed out, not what went wrong on the
+ * way: here the server drops every connection during the wait, and the
+ * waiter connects anew and waits on until its timeout. */
+START_TEST(test_timeout_message)
+{
+	const char *kill_all[] = { "CLIENT", "KILL", "TYPE", "normal",
+				   "SKIPME", "yes" };
+	kl_provider *p = open_default(), *q = open_default();
+	redisContext *c;
+	struct waiter w;
+	struct hold h;
+
+	memset(&w, 0, sizeof w);
+	take_ok(p, "tomsg", 0, &h);
+	waiter_start(&w, q, "tomsg", 1500, NULL);
+	wait_status(p, "tomsg", 1, 1);
+	c = raw();
+	ck_assert_int_ge(rint_cmd(c, 6, kill_all), 1);
+	redisFree(c);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_ETIMEDOUT, "waiter: %s: %s",
+		      kl_strerror(w.rc), w.message);
+	ck_assert_msg(strstr(w.message, "not acquired within 1500 ms") !=
+				      NULL &&
+			      strstr(w.message, "redis provider") == NULL,
+		      "the timeout says '%s'", w.message);
+	hold_free(&w.h);
+	hold_free(&h);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* A server that may evict keys                                        */
+
+/* The server's maxmemory settings, put back after the eviction test, also
+ * when it failed in its forked child (the runner's copies keep the
+ * defaults of the stage's server, which the test checks). */
+static char g_maxmemory[32] = "0", g_policy[64] = "noeviction";
+
+static void
+config_set(const char *name, const char *value)
+{
+	redisContext *c = raw_try(2000);
+	redisReply *r;
+
+	if (c == NULL)
+		return;
+	r = redisCommand(c, "CONFIG SET %s %s", name, value);
+	if (r != NULL)
+		freeReplyObject(r);
+	redisFree(c);
+}
+
+static void
+config_get(const char *name, char *buf, size_t size)
+{
+	redisContext *c = raw();
+	redisReply *r = redisCommand(c, "CONFIG GET %s", name);
+
+	ck_assert_msg(r != NULL && r->type == REDIS_REPLY_ARRAY &&
+			      r->elements == 2,
+		      "CONFIG GET %s", name);
+	snprintf(buf, size, "%s", r->element[1]->str);
+	freeReplyObject(r);
+	redisFree(c);
+}
+
+static void
+eviction_restore(void)
+{
+	config_set("maxmemory-policy", g_policy);
+	config_set("maxmemory", g_maxmemory);
+}
+
+/* A server with maxmemory and a policy that may evict lock keys (every
+ * one has an expiry, so volatile-* policies count too) is refused at
+ * open, unless the URI says eviction=allow; noeviction, or no maxmemory,
+ * is accepted. */
+START_TEST(test_eviction_refused)
+{
+	static const char *const evicting[] = { "allkeys-random",
+						"allkeys-lru", "volatile-lru",
+						"volatile-ttl" };
+	char uri[1024];
+	kl_provider *p;
+	struct hold h;
+
+	config_get("maxmemory", g_maxmemory, sizeof g_maxmemory);
+	config_get("maxmemory-policy", g_policy, sizeof g_policy);
+	ck_assert_str_eq(g_policy, "noeviction");
+	/* No maxmemory: Redis evicts nothing, whatever the policy. */
+	config_set("maxmemory", "0");
+	config_set("maxmemory-policy", "allkeys-random");
+	p = open_default();
+	kl_provider_free(p);
+	config_set("maxmemory", "1gb");
+	for (size_t i = 0; i < sizeof evicting / sizeof evicting[0]; i++) {
+		config_set("maxmemory-policy", evicting[i]);
+		uri_with(uri, sizeof uri, "restart_guard=0");
+		open_fails(uri, KL_EPROVIDER, evicting[i], 5000);
+		open_fails(uri, KL_EPROVIDER, "eviction=allow", 5000);
+	}
+	/* The escape hatch, documented. */
+	p = open_opts("restart_guard=0&eviction=allow");
+	take_ok(p, "evict", 0, &h);
+	hold_free(&h);
+	kl_provider_free(p);
+	/* maxmemory with noeviction: writes fail when full, nothing is
+	 * deleted. */
+	config_set("maxmemory-policy", "noeviction");
+	p = open_default();
+	kl_provider_free(p);
+	eviction_restore();
 }
 END_TEST
 
@@ -1573,6 +1761,119 @@ START_TEST(test_stalled_server)
 	hold_free(&t);
 	kl_provider_free(p);
 	kl_provider_free(q);
+}
+END_TEST
+
+/* An acquire that gave up against a stalled server leaves no grant
+ * behind: the server runs the attempt it had not answered once it
+ * resumes, which takes the free key for a token nobody has, and the
+ * provider undoes that as soon as the server answers again.  Otherwise the
+ * key would stay taken for the ttl (20 s), far longer than the next
+ * acquire waits (5 s). */
+START_TEST(test_stalled_late_grant)
+{
+	kl_provider *p = open_opts("restart_guard=0&ttl=20s"), *q;
+	struct hold h, t;
+	kl_error err;
+	int rc;
+
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	rc = take(p, "late", 300, 0, NULL, &h, &err);
+	ck_assert_msg(rc == KL_EPROVIDER || rc == KL_ETIMEDOUT, "%s: %s",
+		      kl_strerror(rc), err.message);
+	hold_free(&h);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+
+	q = open_default();
+	rc = take(q, "late", 5000, 0, NULL, &t, &err);
+	ck_assert_msg(rc == KL_OK, "the key is still taken: %s: %s",
+		      kl_strerror(rc), err.message);
+	/* Nothing of p's token is left: no queue entry, no heartbeat. */
+	assert_status(q, "late", 1, 0);
+	hold_free(&t);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A waiter that gave up against a stalled server leaves the queue when the
+ * server resumes, rather than block the waiters behind it for its
+ * heartbeat (10 s here, more than the next acquire waits). */
+START_TEST(test_stalled_waiter_leaves)
+{
+	kl_provider *p = open_opts("restart_guard=0&heartbeat=10s"), *q;
+	struct waiter w;
+	struct hold h, t;
+	kl_error err;
+	int rc;
+
+	memset(&w, 0, sizeof w);
+	q = open_default();
+	take_ok(q, "gone", 0, &h);
+	waiter_start(&w, p, "gone", 800, NULL);
+	wait_status(q, "gone", 1, 1);
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	waiter_join(&w);
+	ck_assert_msg(w.rc == KL_EPROVIDER || w.rc == KL_ETIMEDOUT,
+		      "waiter: %s: %s", kl_strerror(w.rc), w.message);
+	hold_free(&w.h);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+
+	drop(&h);
+	rc = take(q, "gone", 5000, 0, NULL, &t, &err);
+	ck_assert_msg(rc == KL_OK, "still queued behind the waiter: %s: %s",
+		      kl_strerror(rc), err.message);
+	assert_status(q, "gone", 1, 0);
+	hold_free(&t);
+	hold_free(&h);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Against a server that stopped answering, an acquire returns within the
+ * grace (100 ms) after its timeout, plus scheduling delays: the least of
+ * eight overshoots is below 190 ms.  (Connecting again after an attempt
+ * that had used up the grace used to add another 100 ms every time.)  Each
+ * try has a provider of its own, with a pooled connection made before the
+ * stall. */
+START_TEST(test_stalled_timeout_bound)
+{
+	enum { TRIES = 8, TIMEOUT_MS = 300 };
+	kl_provider *p[TRIES];
+	int64_t best = INT64_MAX, over;
+	char key[16];
+	struct hold h;
+	kl_error err;
+	int64_t t0;
+	int rc;
+
+	for (int i = 0; i < TRIES; i++)
+		p[i] = open_default();
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	for (int i = 0; i < TRIES; i++) {
+		snprintf(key, sizeof key, "bound%d", i);
+		t0 = now_ns();
+		rc = take(p[i], key, TIMEOUT_MS, 0, NULL, &h, &err);
+		over = (now_ns() - t0) / 1000000 - TIMEOUT_MS;
+		ck_assert_msg(rc == KL_EPROVIDER || rc == KL_ETIMEDOUT,
+			      "%s: %s", kl_strerror(rc), err.message);
+		hold_free(&h);
+		ck_assert_int_ge(over, 0);
+		if (over < best)
+			best = over;
+	}
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+	ck_assert_msg(best < 190, "overshoot %lld ms", (long long)best);
+	for (int i = 0; i < TRIES; i++)
+		kl_provider_free(p[i]);
 }
 END_TEST
 
@@ -1769,6 +2070,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_timeout);
 	tcase_add_test(tc, test_try_once);
 	tcase_add_test(tc, test_cancel);
+	tcase_add_test(tc, test_timeout_message);
 
 	tc = tcase_new(s, "dead", 60);
 	tcase_add_test(tc, test_holder_killed);
@@ -1786,11 +2088,19 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_restricted_acl_user);
 	tcase_add_test(tc, test_unreachable);
 	tcase_add_test(tc, test_bad_uris);
+	tcase_add_test(tc, test_uri_case_and_duplicates);
+
+	tc = tcase_new(s, "eviction", 60);
+	tcase_add_unchecked_fixture(tc, NULL, eviction_restore);
+	tcase_add_test(tc, test_eviction_refused);
 
 	/* Last: they stop and restart the server. */
 	tc = tcase_new(s, "server", 60);
 	tcase_add_unchecked_fixture(tc, NULL, resume_server);
 	tcase_add_test(tc, test_stalled_server);
+	tcase_add_test(tc, test_stalled_late_grant);
+	tcase_add_test(tc, test_stalled_waiter_leaves);
+	tcase_add_test(tc, test_stalled_timeout_bound);
 	tcase_add_test(tc, test_restart);
 
 	return s;

@@ -13,7 +13,9 @@
  *	marker already there means two holders at once, and it exits 5.
  *
  * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
- * that crash point of the local provider (src/provider_local.c).
+ * that crash point of the local provider (src/provider_local.c), and
+ * KL_STOP_AT=<point> stops it there with SIGSTOP (e.g. "queue-locked": a
+ * process stopped while it holds a queue file's lock).
  *
  * A failure to acquire writes "E <status> <message>" and exits 3; bad usage
  * exits 2.  Every wait is bounded (HELPER_TIMEOUT_MS) and the helper asks to

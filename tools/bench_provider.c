@@ -9,8 +9,10 @@
  *     pair on its own connection: SET key token NX PX ttl then EVAL of a
  *     compare-and-delete script (Redis), pg_try_advisory_lock then
  *     pg_advisory_unlock (PostgreSQL).  Target: at least 0.8 times the
- *     raw rate.  Each figure is the median over --runs repetitions (every
- *     other one in reverse order); the ratio is the median of the
+ *     raw rate for Redis, 0.9 for PostgreSQL (whose figures depend on
+ *     the server's durability settings, printed with them).  Each
+ *     figure is the median over --runs repetitions (every other one in
+ *     reverse order); the ratio is the median of the
  *     per-repetition ratios, so a slow phase of the machine hits both
  *     sides alike.
  *
@@ -75,7 +77,8 @@
 
 #define TTL_MS 10000
 #define POLL_MS 10
-#define TARGET_RATIO 0.8
+#define TARGET_RATIO_REDIS 0.8
+#define TARGET_RATIO_PG 0.9
 #define TARGET_P50_MS 2.0
 #define LINE_LIMIT_MS 15000 /* the longest wait for a line of the child */
 
@@ -94,6 +97,9 @@ static struct {
 
 static enum scheme scheme;
 static const char *scheme_name;
+static double target_ratio = TARGET_RATIO_REDIS;
+/* PostgreSQL: the version and the settings a fence's cost depends on. */
+static char server_desc[200];
 
 /* ------------------------------------------------------------------ */
 /* Small things                                                        */
@@ -338,7 +344,8 @@ static void
 pg_open(struct raw *r, const char *uri)
 {
 #ifdef KL_BENCH_LIBPQ
-	static const char *const ours[] = { "pool=", "health_interval=" };
+	static const char *const ours[] = { "pool=", "health_interval=",
+					    "fence_sequence=" };
 	char *u = strdup(uri), *q, *p, *next;
 	size_t len;
 
@@ -586,6 +593,36 @@ at(int t, int run)
 	return (size_t)t * (size_t)opt.runs + (size_t)run;
 }
 
+/* Fills server_desc (PostgreSQL only). */
+static void
+describe_server(struct raw *r)
+{
+#ifdef KL_BENCH_LIBPQ
+	PGresult *res;
+
+	if (r->pg == NULL)
+		return;
+	res = raw_fn.PQexec(r->pg,
+			    "SELECT 'PostgreSQL ' || current_setting("
+			    "'server_version') || ', fsync ' || "
+			    "current_setting('fsync') || ', synchronous_commit "
+			    "' || current_setting('synchronous_commit') || "
+			    "', wal_sync_method ' || "
+			    "current_setting('wal_sync_method')");
+	if (raw_fn.PQresultStatus(res) == PGRES_TUPLES_OK &&
+	    raw_fn.PQntuples(res) == 1)
+		snprintf(server_desc, sizeof server_desc, "%s",
+			 raw_fn.PQgetvalue(res, 0, 0));
+	raw_fn.PQclear(res);
+	/* Kept out of the JSON string's way. */
+	for (char *c = server_desc; *c != '\0'; c++)
+		if (*c == '"' || *c == '\\' || (unsigned char)*c < 0x20)
+			*c = ' ';
+#else
+	(void)r;
+#endif
+}
+
 static void
 run_throughput(kl_provider *p)
 {
@@ -596,6 +633,7 @@ run_throughput(kl_provider *p)
 	if (v == NULL)
 		die(EXIT_BROKEN, "out of memory");
 	raw_open(&r, opt.uri);
+	describe_server(&r);
 	/* Connections made and scripts cached before the first figure. */
 	measure(T_KL_ONE, l, &r);
 	measure(T_RAW_ONE, l, &r);
@@ -873,7 +911,10 @@ verdict(bool pass)
 static void
 print_text(void)
 {
-	printf("%s: %s (%s)\n\n", PROG, opt.uri, scheme_name);
+	printf("%s: %s (%s)\n", PROG, opt.uri, scheme_name);
+	if (server_desc[0] != '\0')
+		printf("server: %s\n", server_desc);
+	printf("\n");
 	printf("Acquire+release round trips per second (median of %d runs "
 	       "of %d):\n",
 	       opt.runs, opt.ops);
@@ -885,9 +926,9 @@ print_text(void)
 					: "pg_try_advisory_lock + "
 					  "pg_advisory_unlock");
 	printf("  ratio, one key           %6.2fx  target >= %.1fx  %s\n",
-	       ratio_one, TARGET_RATIO, verdict(ratio_one >= TARGET_RATIO));
+	       ratio_one, target_ratio, verdict(ratio_one >= target_ratio));
 	printf("  ratio, distinct keys     %6.2fx  target >= %.1fx  %s\n\n",
-	       ratio_many, TARGET_RATIO, verdict(ratio_many >= TARGET_RATIO));
+	       ratio_many, target_ratio, verdict(ratio_many >= target_ratio));
 	printf("Release to grant in another process (%d rounds), ms:\n",
 	       opt.rounds);
 	printf("  %-26s p50 %7.3f  p99 %7.3f\n", "keylock (notification)",
@@ -902,10 +943,10 @@ print_text(void)
 static void
 print_json(void)
 {
-	printf("{\"scheme\":\"%s\",\"quick\":%s,\"runs\":%d,\"ops\":%d,"
-	       "\"rounds\":%d,",
-	       scheme_name, opt.quick ? "true" : "false", opt.runs, opt.ops,
-	       opt.rounds);
+	printf("{\"scheme\":\"%s\",\"server\":\"%s\",\"quick\":%s,"
+	       "\"runs\":%d,\"ops\":%d,\"rounds\":%d,",
+	       scheme_name, server_desc, opt.quick ? "true" : "false", opt.runs,
+	       opt.ops, opt.rounds);
 	printf("\"ops_per_s\":{\"keylock_one_key\":%.0f,"
 	       "\"keylock_distinct_keys\":%.0f,\"raw_one_key\":%.0f,"
 	       "\"raw_distinct_keys\":%.0f},",
@@ -913,7 +954,7 @@ print_json(void)
 	       rate[T_RAW_MANY]);
 	printf("\"ratio_one_key\":%.3f,\"ratio_distinct_keys\":%.3f,"
 	       "\"ratio_target\":%.1f,",
-	       ratio_one, ratio_many, TARGET_RATIO);
+	       ratio_one, ratio_many, target_ratio);
 	printf("\"handoff_ms\":{\"keylock_p50\":%.3f,\"keylock_p99\":%.3f,"
 	       "\"polling_p50\":%.3f,\"polling_p99\":%.3f},"
 	       "\"handoff_target_p50_ms\":%.1f,",
@@ -921,8 +962,8 @@ print_json(void)
 	printf("\"verdicts\":{\"ratio_one_key\":\"%s\","
 	       "\"ratio_distinct_keys\":\"%s\",\"handoff_p50\":\"%s\"},"
 	       "\"violations\":%ld}\n",
-	       verdict(ratio_one >= TARGET_RATIO),
-	       verdict(ratio_many >= TARGET_RATIO),
+	       verdict(ratio_one >= target_ratio),
+	       verdict(ratio_many >= target_ratio),
 	       verdict(lat_p50[0] < TARGET_P50_MS), violations);
 }
 
@@ -935,8 +976,9 @@ usage(void)
 	printf("Usage: keylock-bench provider --uri URI [options]\n\n"
 	       "Measure a Redis or PostgreSQL provider against the raw "
 	       "client calls in one\nrun: acquire+release round trips per "
-	       "second (target: at least %.1fx the raw\nrate) and release "
-	       "to grant across processes (target: p50 under %.0f ms,\n"
+	       "second (target: at least %.1fx the raw\nrate; %.1fx for "
+	       "PostgreSQL) and release to grant across processes\n(target: "
+	       "p50 under %.0f ms, "
 	       "beside a %d ms polling loop).\n\n"
 	       "Options:\n"
 	       "  -u, --uri URI        redis://host:port/db or "
@@ -956,7 +998,7 @@ usage(void)
 	       "call failed or\nmutual exclusion broke, 64 usage error, 77 "
 	       "this build has no client for\nthe URI's scheme (configure "
 	       "found no hiredis or libpq).\n",
-	       TARGET_RATIO, TARGET_P50_MS, POLL_MS);
+	       TARGET_RATIO_REDIS, TARGET_RATIO_PG, TARGET_P50_MS, POLL_MS);
 }
 
 static int
@@ -1064,6 +1106,7 @@ kl_bench_provider_main(int argc, char **argv)
 		   strncmp(opt.uri, "postgres://", 11) == 0) {
 		scheme = S_PG;
 		scheme_name = "postgresql";
+		target_ratio = TARGET_RATIO_PG;
 #ifndef KL_BENCH_LIBPQ
 		fprintf(stderr, "%s: skipped: this keylock-bench was built "
 				"without libpq (configure --with-postgresql)\n",
@@ -1093,7 +1136,7 @@ kl_bench_provider_main(int argc, char **argv)
 			PROG, violations);
 		return EXIT_BROKEN;
 	}
-	missed = ratio_one < TARGET_RATIO || ratio_many < TARGET_RATIO ||
+	missed = ratio_one < target_ratio || ratio_many < target_ratio ||
 		 lat_p50[0] >= TARGET_P50_MS;
 	if (opt.strict && missed && !opt.quick)
 		return EXIT_MISS;

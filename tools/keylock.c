@@ -4,19 +4,28 @@
  * redis://, postgresql://), like flock(1) or `etcdctl lock`, and reports the
  * keys' state with `keylock status`.
  *
- * Threads and signals.  SIGTERM, SIGHUP and SIGINT are blocked in main()
- * before anything else runs, so every thread the library may start inherits
- * the mask, and one thread (sig_main) takes them with sigwait.  What it does
- * with a signal depends on the phase, which it reads under sigs.mu:
- *   WAIT  the lock is being acquired: it fires the cancel token of the
- *         kl_call, the wait leaves the queue with KL_ECANCELED, and keylock
- *         dies of that signal (exit status 128+N);
- *   IDLE  acquired, no command yet: it records the signal; the command is
- *         not started, the key is released, keylock dies of the signal;
- *   RUN   it sends the signal to the command;
+ * Threads and signals.  Every signal that can be caught (but SIGCHLD and
+ * SIGCONT) is blocked in main() before anything else runs, so every thread
+ * the library may start inherits the mask, and one thread (sig_main) takes
+ * them with sigwait: no signal can end keylock, and so release the key,
+ * while the command runs.  What it does with a signal depends on the phase,
+ * which it reads under sigs.mu:
+ *   WAIT  the lock is being acquired: a signal that would end a process
+ *         fires the cancel token of the kl_call, the wait leaves the queue
+ *         with KL_ECANCELED, and keylock dies of that signal (exit status
+ *         128+N); a stop signal stops keylock; the others are ignored;
+ *   IDLE  acquired, no command yet: the same, except that the key is
+ *         released instead of the queue left;
+ *   RUN   it sends the signal to the command's process group;
  *   DONE  the command has exited: nothing changes the exit status any more.
- * The command is waited for with WNOWAIT first and marked DONE before it is
- * reaped, so a signal is never sent to a pid that may have been reused.
+ * The command runs in a process group of its own, so that a signal sent to
+ * keylock's group reaches it once, through keylock, rather than once
+ * directly and once more forwarded; and a hangup that the kernel sends to
+ * keylock alone as a session leader reaches it too.  The price is job
+ * control: keylock hands the terminal to the command's group while it
+ * runs, and mirrors its stops (follow_stop).  The command is waited for
+ * with WNOWAIT first and marked DONE before it is reaped, so a signal is
+ * never sent to a pid that may have been reused.
  *
  * The command is started with fork and execve.  execvp is not async-signal-
  * safe (it may allocate), and the child of a threaded process may only call
@@ -72,7 +81,9 @@ struct options {
 	bool verbose;
 	bool status;     /* `keylock status [KEY]` */
 	const char *key; /* NULL only for a status of every key */
-	char **command;  /* NULL-terminated tail of argv */
+	char **command;  /* NULL-terminated tail of argv, or sh_argv */
+	const char *shell_command; /* -c STRING */
+	char *sh_argv[4];          /* /bin/sh -c STRING NULL */
 };
 
 /* ------------------------------------------------------------------ */
@@ -83,6 +94,7 @@ usage(void)
 {
 	fputs("Usage:\n"
 	      " " PROG " [options] KEY -- COMMAND [ARG...]\n"
+	      " " PROG " [options] KEY -c STRING\n"
 	      " " PROG " [options] status [KEY]\n"
 	      "\n"
 	      "Run COMMAND while holding the lock KEY; processes waiting for "
@@ -93,21 +105,30 @@ usage(void)
 	      " -p, --provider URI          where the locks live: local:[DIR]"
 	      " (default),\n"
 	      "                               redis://..., postgresql://...\n"
-	      " -w, --wait DURATION         give up after DURATION (default:"
+	      " -w, --wait, --timeout DURATION\n"
+	      "                             give up after DURATION (default:"
 	      " forever);\n"
 	      "                               0 tries once\n"
-	      " -n, --nonblock              the same as --wait 0\n"
+	      " -n, --nonblock              the same as --wait 0 (also --nb,\n"
+	      "                               --nonblocking)\n"
 	      " -t, --ttl DURATION          lease time, for providers with "
 	      "leases\n"
 	      " -E, --conflict-exit-code N  exit status when KEY is not "
 	      "acquired\n"
 	      "                               (0 to 255, default 75)\n"
+	      " -c, --command STRING        run STRING with /bin/sh -c instead"
+	      " of\n"
+	      "                               -- COMMAND (KEY -c STRING also"
+	      " works)\n"
+	      " -x, -e, --exclusive         an exclusive lock (the only kind;"
+	      " accepted\n"
+	      "                               for flock(1) users)\n"
 	      " -q, --quiet                 do not report a KEY not acquired\n"
 	      " -v, --verbose               report waited and held times\n"
 	      " -h, --help                  display this help and exit\n"
 	      " -V, --version               display the version and exit\n"
 	      "\n"
-	      "DURATION is seconds (\"5\", \"1.5\") or a number with a unit "
+	      "DURATION is seconds (\"5\", \"1.5\", \".5\") or a number with a unit "
 	      "(250ms, 5s,\n"
 	      "1.5m, 2h, 1d), or \"forever\".\n"
 	      "\n"
@@ -221,13 +242,17 @@ parse_duration(const char *option, const char *text, bool forever_ok)
 	int64_t ms;
 	int rc;
 
-	if (len > 0 && strspn(text, "0123456789.") == len) {
-		if ((with_unit = malloc(len + 2)) == NULL) {
+	/* flock(1) takes ".5" and "5." as well (strtod's numbers); they are
+	 * given kl_duration_parse as "0.5s" and "5.0s". */
+	if (len > 0 && strspn(text, "0123456789.") == len &&
+	    strpbrk(text, "0123456789") != NULL) {
+		if ((with_unit = malloc(len + 4)) == NULL) {
 			note("out of memory");
 			exit(EXIT_OSERR);
 		}
-		memcpy(with_unit, text, len);
-		memcpy(with_unit + len, "s", 2);
+		snprintf(with_unit, len + 4, "%s%s%ss",
+			 text[0] == '.' ? "0" : "", text,
+			 text[len - 1] == '.' ? "0" : "");
 	}
 	rc = kl_duration_parse(with_unit != NULL ? with_unit : text, &ms);
 	free(with_unit);
@@ -255,13 +280,61 @@ parse_exit_code(const char *text)
 	return (int)n;
 }
 
+/* The key reaches the command in KEYLOCK_KEY: one that execve would refuse
+ * (E2BIG) is a usage error now, before anything is locked, rather than a
+ * command that cannot be run once the key is held. */
+static void
+check_key_fits(const struct options *o)
+{
+	long argmax = sysconf(_SC_ARG_MAX);
+	size_t key_len, var, total;
+	char **v;
+
+	if (o->key == NULL)
+		return;
+	key_len = strlen(o->key);
+	var = sizeof "KEYLOCK_KEY=" + key_len;
+#ifdef __linux__
+	{
+		/* Linux's MAX_ARG_STRLEN: 32 pages for one string. */
+		long page = sysconf(_SC_PAGESIZE);
+
+		if (page > 0 && var > (size_t)page * 32)
+			usage_error("the KEY is too long to pass to the "
+				    "command in KEYLOCK_KEY (%zu bytes, at "
+				    "most %zu)",
+				    key_len,
+				    (size_t)page * 32 - sizeof "KEYLOCK_KEY=");
+	}
+#endif
+	/* Strings and pointers, as execve counts them. */
+	total = var + sizeof "KEYLOCK_FENCE=18446744073709551615" +
+		3 * sizeof(char *);
+	for (v = o->command; v != NULL && *v != NULL; v++)
+		total += strlen(*v) + 1 + sizeof(char *);
+	for (v = environ; v != NULL && *v != NULL; v++)
+		total += strlen(*v) + 1 + sizeof(char *);
+	if (argmax > 0 && total > (size_t)argmax)
+		usage_error("the KEY (%zu bytes) does not fit in the "
+			    "command's environment beside its arguments and "
+			    "the other variables (%zu bytes in all, at most "
+			    "%ld)",
+			    key_len, total, argmax);
+}
+
 static void
 parse_args(int argc, char **argv, struct options *o)
 {
 	static const struct option longopts[] = {
 		{ "provider", required_argument, NULL, 'p' },
 		{ "wait", required_argument, NULL, 'w' },
+		{ "timeout", required_argument, NULL, 'w' },
 		{ "nonblock", no_argument, NULL, 'n' },
+		{ "nonblocking", no_argument, NULL, 'n' },
+		{ "nb", no_argument, NULL, 'n' },
+		{ "exclusive", no_argument, NULL, 'x' },
+		{ "shared", no_argument, NULL, 's' },
+		{ "command", required_argument, NULL, 'c' },
 		{ "ttl", required_argument, NULL, 't' },
 		{ "conflict-exit-code", required_argument, NULL, 'E' },
 		{ "quiet", no_argument, NULL, 'q' },
@@ -281,7 +354,7 @@ parse_args(int argc, char **argv, struct options *o)
 	/* getopt names the program by argv[0] in its messages; the libtool
 	 * wrapper of the build tree runs it as lt-keylock. */
 	argv[0] = (char *)PROG;
-	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhV", longopts,
+	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:", longopts,
 				NULL)) != -1) {
 		switch (c) {
 		case 'p':
@@ -292,6 +365,16 @@ parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'n':
 			o->wait_ms = 0;
+			break;
+		case 'x':
+		case 'e':
+			break; /* exclusive: what every lock is */
+		case 's':
+			usage_error("shared locks are not supported: every "
+				    "lock is exclusive (-s, --shared)");
+			break;
+		case 'c':
+			o->shell_command = optarg;
 			break;
 		case 't':
 			o->ttl_ms = parse_duration("ttl", optarg, false);
@@ -329,7 +412,24 @@ parse_args(int argc, char **argv, struct options *o)
 	n = argc - optind;
 	if (n == 0)
 		usage_error("no KEY given");
-	if (n >= 2 && strcmp(rest[1], "--") == 0) {
+	if (n >= 2 && strcmp(rest[1], "-c") == 0) {
+		/* flock's order: KEY -c STRING */
+		if (o->shell_command != NULL)
+			usage_error("-c given twice");
+		if (n != 3)
+			usage_error(n == 2 ? "no STRING given after -c"
+					   : "unexpected argument '%s' after "
+					     "-c STRING",
+				    n == 2 ? "" : shown(buf, sizeof buf,
+							rest[3]));
+		o->key = rest[0];
+		o->shell_command = rest[2];
+	} else if (o->shell_command != NULL) {
+		if (n != 1 || strcmp(rest[0], "status") == 0)
+			usage_error("-c STRING takes the place of -- COMMAND: "
+				    "nothing may follow KEY");
+		o->key = rest[0];
+	} else if (n >= 2 && strcmp(rest[1], "--") == 0) {
 		o->key = rest[0];
 		o->command = rest + 2;
 		if (n == 2)
@@ -349,6 +449,15 @@ parse_args(int argc, char **argv, struct options *o)
 	}
 	if (o->key != NULL && o->key[0] == '\0')
 		usage_error("the KEY is empty");
+	if (o->shell_command != NULL) {
+		o->sh_argv[0] = (char *)"/bin/sh";
+		o->sh_argv[1] = (char *)"-c";
+		o->sh_argv[2] = (char *)o->shell_command;
+		o->sh_argv[3] = NULL;
+		o->command = o->sh_argv;
+	}
+	if (!o->status)
+		check_key_fits(o);
 }
 
 /* ------------------------------------------------------------------ */
@@ -367,13 +476,21 @@ open_provider(const struct options *o)
 	rc = kl_provider_open(&p, o->provider, &err);
 	if (rc == KL_OK)
 		return p;
-	uri_scheme(scheme, sizeof scheme, o->provider);
 	if (err.message[0] == '\0')
 		snprintf(err.message, sizeof err.message, "%s",
 			 kl_strerror(rc));
-	if (rc == KL_EINVAL)
+	if (strcmp(uri_scheme(scheme, sizeof scheme, o->provider), "?") ==
+	    0) {
+		if (rc == KL_EINVAL)
+			usage_error("the provider URI has no scheme: expected "
+				    "local:[DIR], redis://... or "
+				    "postgresql://...");
+		note("provider: %s", err.message);
+	} else if (rc == KL_EINVAL) {
 		usage_error("provider '%s:': %s", scheme, err.message);
-	note("provider '%s:': %s", scheme, err.message);
+	} else {
+		note("provider '%s:': %s", scheme, err.message);
+	}
 	exit(rc == KL_ENOMEM ? EXIT_OSERR : EXIT_UNAVAILABLE);
 }
 
@@ -434,55 +551,97 @@ static struct {
 	sigset_t old_mask; /* the mask keylock started with, for the command */
 	enum phase phase;
 	kl_cancel *cancel; /* fired in PHASE_WAIT */
-	pid_t child;       /* valid in PHASE_RUN */
+	pid_t child;       /* valid in PHASE_RUN; also its process group */
 	int pending;       /* first signal before the command ran, or 0 */
 } sigs = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
-/* Waits for one of sigs.set; *from_tty is set when the terminal sent it to
- * the whole foreground process group, so the command already has it. */
-static int
-wait_signal(bool *from_tty)
+/* What a signal does by default, for the phases without a command. */
+enum sig_default { SD_TERMINATE, SD_IGNORE, SD_STOP };
+
+static enum sig_default
+sig_default(int sig)
 {
-#ifdef SI_KERNEL
-	siginfo_t si;
-	int sig;
+	switch (sig) {
+	case SIGCONT:
+	case SIGURG:
+	case SIGWINCH:
+		return SD_IGNORE;
+	case SIGTSTP:
+	case SIGTTIN:
+	case SIGTTOU:
+		return SD_STOP;
+	default:
+		return SD_TERMINATE;
+	}
+}
 
-	while ((sig = sigwaitinfo(&sigs.set, &si)) < 0)
-		;
-	*from_tty = si.si_code == SI_KERNEL;
-	return sig;
-#else
-	int sig;
+/* The controlling terminal, when keylock's process group is in its
+ * foreground (keylock then hands it to the command's group), else -1. */
+static int
+foreground_tty(void)
+{
+	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
 
-	while (sigwait(&sigs.set, &sig) != 0)
-		;
-	*from_tty = false;
-	return sig;
-#endif
+	if (fd >= 0 && tcgetpgrp(fd) != getpgrp()) {
+		close(fd);
+		fd = -1;
+	}
+	return fd;
+}
+
+/* Passes sig on to the command's process group (the command and what it
+ * started), or to the command alone when it has left its group. */
+static void
+forward(pid_t child, int sig)
+{
+	if (kill(-child, sig) != 0 && errno == ESRCH)
+		kill(child, sig);
 }
 
 static void *
 sig_main(void *arg)
 {
-	bool from_tty;
+	enum sig_default sd;
 	int sig;
 
+	(void)arg;
 	for (;;) {
-		sig = wait_signal(&from_tty);
+		while (sigwait(&sigs.set, &sig) != 0)
+			;
+		sd = sig_default(sig);
 		pthread_mutex_lock(&sigs.mu);
 		switch (sigs.phase) {
 		case PHASE_WAIT:
-			if (sigs.pending == 0)
-				sigs.pending = sig;
-			kl_cancel_fire(sigs.cancel);
-			break;
 		case PHASE_IDLE:
+			/* No command yet: what the signal would do to a
+			 * process without a handler, except that keylock
+			 * leaves the queue or releases the key first. */
+			if (sd == SD_STOP) {
+				kill(getpid(), SIGSTOP);
+				break;
+			}
+			if (sd == SD_IGNORE)
+				break;
 			if (sigs.pending == 0)
 				sigs.pending = sig;
+			if (sigs.phase == PHASE_WAIT)
+				kl_cancel_fire(sigs.cancel);
 			break;
 		case PHASE_RUN:
-			if (!from_tty)
-				kill(sigs.child, sig);
+			/* keylock was continued: after a stop it followed
+			 * (follow_stop), or after a start in the background
+			 * (the command then stopped when it touched the
+			 * terminal).  In the foreground now, it hands the
+			 * terminal to the command before continuing it. */
+			if (sig == SIGCONT) {
+				int fd = foreground_tty();
+
+				if (fd >= 0) {
+					tcsetpgrp(fd, sigs.child);
+					close(fd);
+				}
+			}
+			forward(sigs.child, sig);
 			break;
 		case PHASE_DONE:
 			break;
@@ -492,21 +651,28 @@ sig_main(void *arg)
 	return NULL;
 }
 
-/* Blocks the handled signals in this thread, so in every thread started
- * later.  A signal ignored when keylock started stays ignored (as nohup(1)
- * or a shell's background job set it), for keylock and the command. */
+/* Blocks every signal keylock can catch in this thread, so in every thread
+ * started later: a signal must never end keylock while the command runs,
+ * since that would release the key early.  Left alone: SIGKILL and SIGSTOP
+ * (they cannot be caught) and SIGCHLD (the command's end is waited for).
+ * A blocked SIGCONT still continues keylock.  A signal ignored when keylock
+ * started stays ignored (as nohup(1) or a shell's background job set it),
+ * for keylock and the command. */
 static void
 block_signals(void)
 {
-	static const int handled[] = { SIGTERM, SIGHUP, SIGINT };
 	struct sigaction sa;
-	size_t i;
+	int sig;
 
 	sigemptyset(&sigs.set);
-	for (i = 0; i < sizeof handled / sizeof handled[0]; i++)
-		if (sigaction(handled[i], NULL, &sa) == 0 &&
+	for (sig = 1; sig < NSIG; sig++) {
+		if (sig == SIGKILL || sig == SIGSTOP || sig == SIGCHLD)
+			continue;
+		/* Fails for the signals the C library keeps for itself. */
+		if (sigaction(sig, NULL, &sa) == 0 &&
 		    sa.sa_handler != SIG_IGN)
-			sigaddset(&sigs.set, handled[i]);
+			sigaddset(&sigs.set, sig);
+	}
 	pthread_sigmask(SIG_BLOCK, &sigs.set, &sigs.old_mask);
 }
 
@@ -682,17 +848,24 @@ command_init(struct command *c, char **argv, const char *key, uint64_t fence)
 	return 0;
 }
 
-/* In the child of fork: async-signal-safe calls only.  Tries the candidates
- * as execvp does (a permission error is remembered while the search goes
- * on; a file that is not an executable format is run by /bin/sh), then
- * writes errno to errfd and exits. */
+/* In the child of fork: async-signal-safe calls only.  Moves to a process
+ * group of its own (and takes the terminal when keylock had it), then tries
+ * the candidates as execvp does (a permission error is remembered while
+ * the search goes on; a file that is not an executable format is run by
+ * /bin/sh), then writes errno to errfd and exits. */
 static void
-child_exec(struct command *c, int errfd)
+child_exec(struct command *c, int ttyfd, int errfd)
 {
 	bool eacces = false;
 	int err = ENOENT;
 	size_t i;
 
+	/* Done here as well as in the parent, so that the command never runs
+	 * in keylock's group or without the terminal, whichever is first.
+	 * SIGTTOU is still blocked, so tcsetpgrp works from the new group. */
+	setpgid(0, 0);
+	if (ttyfd >= 0)
+		tcsetpgrp(ttyfd, getpid());
 	/* The dispositions are the ones keylock started with (it sets no
 	 * handler); only the mask changed. */
 	sigprocmask(SIG_SETMASK, &sigs.old_mask, NULL);
@@ -724,6 +897,52 @@ child_exec(struct command *c, int errfd)
 	_exit(err == ENOENT ? EXIT_ENOENT : EXIT_CANNOT_INVOKE);
 }
 
+/* The command was stopped by stop_sig.  When that is a terminal's stop
+ * signal (Ctrl-Z, or reading or writing the terminal from the background)
+ * and keylock is a job of a shell (its parent is in its session, in
+ * another process group), keylock stops too, so that the shell sees its
+ * job stop, taking the terminal back first if the command had it; the
+ * SIGCONT that continues keylock (fg or bg) is passed on by sig_main, which
+ * hands the terminal over again when keylock is in the foreground.
+ * Otherwise (cron, a service, a stop sent to the command alone) keylock
+ * does not stop: nothing would continue it. */
+static void
+follow_stop(pid_t pid, int stop_sig)
+{
+	siginfo_t info;
+	pid_t parent = getppid();
+	int fd;
+
+	memset(&info, 0, sizeof info);
+	/* Consumes the report of this stop (the command is not reaped). */
+	waitid(P_PID, pid, &info, WSTOPPED | WNOHANG);
+	if (stop_sig != SIGTSTP && stop_sig != SIGTTIN && stop_sig != SIGTTOU)
+		return;
+	if (getsid(parent) != getsid(0) || getpgid(parent) == getpgrp())
+		return;
+	fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+	if (fd < 0)
+		return;
+	if (tcgetpgrp(fd) == pid)
+		tcsetpgrp(fd, getpgrp());
+	close(fd);
+	kill(getpid(), SIGSTOP);
+}
+
+/* The command has ended: the terminal goes back to keylock's group if the
+ * command's had it, as the shell that started keylock expects. */
+static void
+restore_tty(pid_t pid)
+{
+	int fd = open("/dev/tty", O_RDWR | O_NOCTTY | O_CLOEXEC);
+
+	if (fd < 0)
+		return;
+	if (tcgetpgrp(fd) == pid)
+		tcsetpgrp(fd, getpgrp());
+	close(fd);
+}
+
 /* Runs the command and returns its exit status; *sig is set when it died
  * of a signal or was never started because keylock got one.  The caller
  * holds the key and releases it afterwards. */
@@ -732,7 +951,7 @@ run_command(struct command *c, int *sig)
 {
 	char buf[SHOWN_MAX];
 	siginfo_t info;
-	int fds[2], err, status;
+	int fds[2], err, status, ttyfd;
 	ssize_t n;
 	pid_t pid;
 
@@ -745,6 +964,7 @@ run_command(struct command *c, int *sig)
 	 * pipe() and these. */
 	fcntl(fds[0], F_SETFD, FD_CLOEXEC);
 	fcntl(fds[1], F_SETFD, FD_CLOEXEC);
+	ttyfd = foreground_tty();
 
 	/* The fork happens under sigs.mu, so a signal is either seen before
 	 * (the command does not start) or forwarded to the child. */
@@ -755,18 +975,26 @@ run_command(struct command *c, int *sig)
 		pthread_mutex_unlock(&sigs.mu);
 		close(fds[0]);
 		close(fds[1]);
+		if (ttyfd >= 0)
+			close(ttyfd);
 		return 128 + *sig;
 	}
 	pid = fork();
 	err = errno;
 	if (pid == 0)
-		child_exec(c, fds[1]);
+		child_exec(c, ttyfd, fds[1]);
 	if (pid > 0) {
+		/* Before a signal can be forwarded to the group. */
+		setpgid(pid, pid);
+		if (ttyfd >= 0)
+			tcsetpgrp(ttyfd, pid);
 		sigs.child = pid;
 		sigs.phase = PHASE_RUN;
 	}
 	pthread_mutex_unlock(&sigs.mu);
 	close(fds[1]);
+	if (ttyfd >= 0)
+		close(ttyfd);
 	if (pid < 0) {
 		close(fds[0]);
 		note("cannot fork: %s", strerror(err));
@@ -777,12 +1005,23 @@ run_command(struct command *c, int *sig)
 		;
 	close(fds[0]);
 
-	while (waitid(P_PID, pid, &info, WEXITED | WNOWAIT) != 0 &&
-	       errno == EINTR)
-		;
+	for (;;) {
+		memset(&info, 0, sizeof info);
+		if (waitid(P_PID, pid, &info, WEXITED | WSTOPPED | WNOWAIT) !=
+		    0) {
+			if (errno == EINTR)
+				continue;
+			break;
+		}
+		if (info.si_code != CLD_STOPPED)
+			break;
+		follow_stop(pid, info.si_status);
+	}
 	pthread_mutex_lock(&sigs.mu);
 	sigs.phase = PHASE_DONE;
 	pthread_mutex_unlock(&sigs.mu);
+	/* While the command's group still exists (it is not reaped yet). */
+	restore_tty(pid);
 	while (waitpid(pid, &status, 0) < 0)
 		if (errno != EINTR) {
 			note("cannot wait for the command: %s",

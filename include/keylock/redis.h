@@ -9,12 +9,14 @@
  * directly to fail at link time rather than at run time when the library is
  * missing.
  *
- * URI:  redis://[USER[:PASSWORD]@]HOST[:PORT][/DB][?OPTION=VALUE[&...]]
+ * URI:  redis[s]://[USER[:PASSWORD]@]HOST[:PORT][/DB][?OPTION=VALUE[&...]]
  *
  *   HOST is a name, an IPv4 address or [an IPv6 address]; PORT defaults to
  *   6379, DB to 0.  USER and PASSWORD may be percent-encoded; a USER names a
  *   Redis 6 ACL user (AUTH USER PASSWORD), none means AUTH PASSWORD.
- *   "rediss://" (TLS), Unix sockets, Sentinel and Cluster are not supported.
+ *   "rediss://" is TLS (OpenSSL, when the library was built with it: else
+ *   KL_EPROVIDER says so), with the server's certificate and host name
+ *   always verified.  Unix sockets, Sentinel and Cluster are not supported.
  *
  * The password comes from, in this order: the URI; the file named by the
  * password_file option, which must be a regular file of the caller's (or
@@ -59,6 +61,13 @@
  *                      Redis reports its uptime in whole seconds, so the
  *                      guard may last up to a second longer than D.
  *   password_file=P    read the password from the file P (see above).
+ *   tls_ca=F           rediss:// only: the CA certificates (PEM) the
+ *   tls_ca_dir=D       server's must lead to (a file, an "openssl rehash"
+ *                      directory); default OpenSSL's default store.
+ *   tls_cert=F         rediss:// only: a client certificate and its key
+ *   tls_key=F          (PEM, not encrypted, mode 0600), both or neither.
+ *   tls_server_name=N  rediss:// only: the name (SNI and verification) or
+ *                      IP address the certificate must hold, when not HOST.
  *
  * Behaviour: strict FIFO per key across every client of the server (a
  * queue in Redis, waiters woken by a list push, with a bounded re-check so

@@ -23,7 +23,7 @@ expect_usage "an empty KEY"
 kl "${NOPE[@]}" status a b
 expect_usage "status with two keys"
 
-for w in abc -1 "" 1x 5sec 1.5.2 ' 5' 1e3 .5; do
+for w in abc -1 "" 1x 5sec 1.5.2 ' 5' 1e3 . .s; do
 	kl "${NOPE[@]}" -w "$w" k -- true
 	expect_usage "-w '$w'"
 	grep -q "invalid wait" "$ERR" || fail "-w '$w': message does not say wait"
@@ -43,7 +43,7 @@ done
 kl "${NOPE[@]}" --bogus k -- true
 expect_usage "an unknown long option"
 grep -q "'--bogus'" "$ERR" || fail "unknown option not named"
-kl "${NOPE[@]}" -x k -- true
+kl "${NOPE[@]}" -j k -- true
 expect_usage "an unknown short option"
 kl -p
 expect_usage "-p without a value"

@@ -37,8 +37,13 @@ static int plugins_present;
 static void
 cleanup(void)
 {
-	if (tmp[0] != '\0')
+	char secret[sizeof tmp + 16];
+
+	if (tmp[0] != '\0') {
+		snprintf(secret, sizeof secret, "%s/secret", tmp);
+		unlink(secret);
 		rmdir(tmp);
+	}
 }
 
 static int
@@ -189,8 +194,15 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	check(kl_provider_open(&p, NULL, NULL) == KL_EINVAL && p == NULL,
 	      "NULL uri", uri);
 
-	if (dir[0] != '\0')
-		rmdir(dir); /* the provider made it; it holds no file */
+	if (dir[0] != '\0') {
+		/* The provider made it, with its secret file and nothing
+		 * else ("d.." names TMP itself). */
+		char secret[sizeof dir + 16];
+
+		snprintf(secret, sizeof secret, "%s/secret", dir);
+		unlink(secret);
+		rmdir(dir);
+	}
 	if (uri != text)
 		free(uri);
 	free(text);

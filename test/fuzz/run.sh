@@ -84,6 +84,13 @@ fuzz() {
 			"$ROOT"/src/redis_config.c "$ROOT"/src/redis_sha256.c)
 		read -r -a tlibs <<<"$(pkg-config --cflags --libs hiredis 2>/dev/null ||
 			echo -I/usr/include/hiredis -lhiredis)"
+		# TLS (rediss://) when the build has it
+		if grep -q '^#define HAVE_REDIS_TLS 1' "$BUILD/config.h"; then
+			tsrcs+=("$ROOT"/src/redis_tls.c)
+			read -r -a f <<<"$(pkg-config --cflags --libs libssl libcrypto 2>/dev/null ||
+				echo -lssl -lcrypto)"
+			tlibs+=("${f[@]}")
+		fi
 		echo '#include <hiredis.h>' >"$WORK/$t.probe.c"
 		if ! "$CLANG" -fsyntax-only "${tlibs[@]}" "$WORK/$t.probe.c" \
 			>/dev/null 2>&1; then

@@ -40,6 +40,15 @@ work(void *arg)
 	return 42;
 }
 
+static int
+work_lease(kl_lease *lease, void *arg)
+{
+	uint64_t *fence = arg;
+
+	*fence = kl_lease_valid(lease) ? kl_lease_fence(lease) : 0;
+	return strcmp(kl_lease_key(lease), "consumer") == 0 ? 43 : -1;
+}
+
 int
 main(void)
 {
@@ -58,8 +67,14 @@ main(void)
 	rc = kl_lock_new(&lock, &opts);
 	expect(rc == KL_OK, "kl_lock_new");
 	if (rc == KL_OK) {
+		uint64_t fence = 0;
+
 		rc = kl_lock_run(lock, &call, work, &count, &res, &err);
 		expect(rc == KL_OK && res == 42 && count == 1, "kl_lock_run");
+		rc = kl_lock_run_lease(lock, &call, work_lease, &fence, &res,
+				       &err);
+		expect(rc == KL_OK && res == 43 && fence > 0,
+		       "kl_lock_run_lease");
 		kl_lock_free(lock);
 	}
 	expect(kl_memory_provider_size(kl_memory_provider()) == 0,
