@@ -17,16 +17,20 @@
  * Leases: a provider thread renews every held lease at a third of its ttl
  * with a compare-and-PEXPIRE script.  A lease is lost when a renewal finds
  * the key gone or taken, when no renewal succeeded before the lease would
- * have expired, or when the server restarted without durable persistence
- * (its INFO run_id changed); the thread then calls the lease's watch
- * callback once, with no lock held.
+ * have expired, or when the server restarted (its INFO run_id changed) and
+ * the restart marker shows that locks may be missing; the thread then
+ * calls the lease's watch callback once, with no lock held.
  *
- * Restarts: a server that restarted without appendfsync always has lost
- * every lock while their old holders may still believe they hold them, so
- * no lock is granted until the server has been up for the restart guard
- * (by default the longest ttl in use).  A waiter whose connection breaks
- * reconnects once; if the server restarted meanwhile, the wait ends with
- * KL_EPROVIDER.
+ * Restarts: a server that lost data (a restart from a snapshot, a wiped
+ * data directory, a fresh server that cannot be told from one) may lack
+ * locks whose old holders still believe they hold them, so no lock is
+ * granted until the server has been up for the restart guard: by default
+ * the longest ttl any client of the prefix recorded in the server (see
+ * mark_server).  Meanwhile acquires wait, as behind a holder.  Whether
+ * data was lost is decided from evidence kept in the server itself, the
+ * restart marker, never from the configuration of the new server run.  A
+ * waiter whose connection breaks reconnects once; if the server restarted
+ * meanwhile, the wait ends with KL_EPROVIDER.
  *
  * Connections: an idle pool of conf.pool connections, shared by all
  * threads; a waiter keeps its connection for its whole wait, so more are
@@ -60,6 +64,8 @@
 #define GRACE_MS 100        /* a wait's commands end by its deadline + this */
 #define RETRY_GAP_MAX_MS 250 /* between renewal attempts after an error */
 #define FENCE_KEEP_MS 86400000 /* the fence counter outlives idle keys */
+#define RECORD_REFRESH_MS 60000 /* how often attempts refresh the ttl
+				 * record (also kept FENCE_KEEP_MS) */
 #define TOKEN_BYTES 16
 #define MAX_RECONNECTS 2    /* consecutive, within one wait */
 #define STALE_MAX 8         /* connections an acquire leaves unanswered */
@@ -85,6 +91,7 @@ struct lease {
 	char tok[2 * TOKEN_BYTES + 1];
 	struct names n;
 	int64_t ttl_ms;
+	int64_t guard_left_ms; /* the restart guard, at the last attempt */
 	uint64_t epoch; /* r->epoch when granted */
 	/* Under r->mu. */
 	int64_t renew_at;    /* ns: next renewal */
@@ -117,8 +124,13 @@ struct redis {
 	char run_id[41];
 	uint64_t epoch;     /* restarts seen */
 	int64_t max_ttl_ms; /* longest ttl used: the automatic restart guard */
+	int64_t seen_ttl_ms; /* longest ttl record the server showed us */
+	int64_t rec_ns;      /* when an attempt last refreshed the record */
 	struct lease *leases;
 	bool stopping;
+	/* The restart marker and the ttl record (see script_mark). */
+	char *gkey[2];
+	size_t gkey_len[2];
 	/* While the renewal thread sleeps: when it wakes by itself
 	 * (KL_R_NO_DEADLINE: only when signalled); 0 while it runs, and so
 	 * will look at every lease before it sleeps again.  A new lease due
@@ -270,19 +282,121 @@ drift_ns(int64_t ttl_ms)
 /* ------------------------------------------------------------------ */
 /* Connections                                                         */
 
-/* Records which server c reached.  A changed run_id is a restart: count
- * it, and unless the server keeps every write (appendfsync always), the
- * leases granted before it are gone. */
-static void
-note_server(struct redis *r, struct kl__rconn *c)
+static size_t num(char *buf, size_t size, int64_t v);
+static int64_t cmd_deadline(const struct redis *r, int64_t wait_deadline,
+			    int64_t extra_ns);
+
+/*
+ * The restart marker, PREFIX "guard" (a HASH without expiry), keeps the
+ * evidence of whether the server still has every lock it granted:
+ *   run    the run_id of the server run that last checked it
+ *   dur    "1" while that run kept every write (appendonly yes and
+ *          appendfsync always), at every connection made to it
+ *   start  server ms from which locks may be missing (the run's start,
+ *          or when the marker was found gone), or 0: none are
+ *   floor  the server's time in microseconds when locks were last found
+ *          possibly missing: every fence issued before is below it, and
+ *          a fence counter not above it starts anew from the clock
+ * Every new connection runs this script.  No marker: the data is lost, or
+ * the server is new, which cannot be told apart: guarded from the run's
+ * start.  A marker of another run: the server restarted with the data of
+ * that run, complete only if that run kept every write (dur); we ask the
+ * new run to keep every write too, or a run started without AOF could
+ * have loaded an older snapshot that holds an old durable marker.  So the
+ * decision rests on what the old run was and what the new one loaded,
+ * never on how the new run is configured alone.  The script also raises
+ * the ttl record, PREFIX "maxttl", to our longest ttl: a holder's renewal
+ * thread connecting to a restarted server raises it again at once.
+ *
+ * KEYS: marker, ttl record.  ARGV: run_id, "1" when this run keeps every
+ * write, its uptime in ms (a lower bound), our longest ttl, ms to keep the
+ * record.  Returns {start, record}.
+ */
+static const char script_mark[] =
+	"local t = redis.call('TIME')\n"
+	"local now = tonumber(t[1]) * 1000 + "
+	"math.floor(tonumber(t[2]) / 1000)\n"
+	"local g = { redis.call('HGET', KEYS[1], 'run'), "
+	"redis.call('HGET', KEYS[1], 'dur'), "
+	"redis.call('HGET', KEYS[1], 'start') }\n"
+	"local floor = nil\n"
+	"local start = now - tonumber(ARGV[3])\n"
+	"local dur = ARGV[2]\n"
+	"if start < 1 then start = 1 end\n"
+	"if g[1] == ARGV[1] then\n"
+	"  start = tonumber(g[3] or '1')\n"
+	"  if g[2] ~= '1' then dur = '0' end\n"
+	"elseif g[1] and g[1] ~= '?' and g[2] == '1' and dur == '1' then\n"
+	"  start = 0\n"
+	"else\n"
+	"  if g[1] == '?' and tonumber(g[3] or '0') > start then\n"
+	"    start = tonumber(g[3])\n"
+	"  end\n"
+	"  floor = string.format('%.0f', tonumber(t[1]) * 1000000 + "
+	"tonumber(t[2]))\n"
+	"end\n"
+	"start = string.format('%.0f', start)\n"
+	"redis.call('HSET', KEYS[1], 'run', ARGV[1], 'dur', dur, "
+	"'start', start)\n"
+	"if floor then redis.call('HSET', KEYS[1], 'floor', floor) end\n"
+	"local rec = tonumber(redis.call('GET', KEYS[2]) or '0')\n"
+	"if rec < tonumber(ARGV[4]) then\n"
+	"  rec = tonumber(ARGV[4])\n"
+	"  redis.call('SET', KEYS[2], ARGV[4], 'PX', ARGV[5])\n"
+	"end\n"
+	"return {start, rec}\n";
+
+/* Checks the restart marker on a new connection (see script_mark) and
+ * records which server run c reached.  A changed run_id is a restart:
+ * count it, and unless the marker shows that the server kept every lock,
+ * the leases granted before it are gone. */
+static int
+mark_server(struct redis *r, struct kl__rconn *c, int64_t cap_ns,
+	    kl_error *err)
 {
+	char up[24], ttl[24], keep[24];
+	const char *argv[10] = { "EVAL", script_mark, "2", r->gkey[0],
+				 r->gkey[1], c->run_id,
+				 c->persistent ? "1" : "0", up, ttl, keep };
+	size_t lens[10] = { 4, sizeof script_mark - 1, 1, r->gkey_len[0],
+			    r->gkey_len[1], strlen(c->run_id), 1 };
+	redisReply *rep;
+	int64_t deadline = cmd_deadline(r, KL_R_NO_DEADLINE, 0);
+	bool trusted;
+	int rc;
+
+	if (cap_ns < deadline)
+		deadline = cap_ns;
 	pthread_mutex_lock(&r->mu);
+	lens[8] = num(ttl, sizeof ttl, r->max_ttl_ms);
+	pthread_mutex_unlock(&r->mu);
+	lens[7] = num(up, sizeof up, kl__rconn_uptime_ms(c));
+	lens[9] = num(keep, sizeof keep, FENCE_KEEP_MS);
+	rc = kl__rconn_command(c, deadline, 10, argv, lens, &rep, err);
+	if (rc != KL_OK)
+		return rc;
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+	    rep->element[0]->type != REDIS_REPLY_STRING ||
+	    rep->element[1]->type != REDIS_REPLY_INTEGER) {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: the restart marker could not "
+				"be checked: %.160s",
+				rep->type == REDIS_REPLY_ERROR ? rep->str
+							       : "odd reply");
+		freeReplyObject(rep);
+		c->broken = true;
+		return KL_EPROVIDER;
+	}
+	trusted = strcmp(rep->element[0]->str, "0") == 0;
+	pthread_mutex_lock(&r->mu);
+	if (rep->element[1]->integer > r->seen_ttl_ms)
+		r->seen_ttl_ms = rep->element[1]->integer;
 	if (r->run_id[0] == '\0') {
 		memcpy(r->run_id, c->run_id, sizeof r->run_id);
 	} else if (strcmp(r->run_id, c->run_id) != 0) {
 		memcpy(r->run_id, c->run_id, sizeof r->run_id);
 		r->epoch++;
-		if (!c->persistent) {
+		if (!trusted) {
 			for (struct lease *l = r->leases; l != NULL;
 			     l = l->next)
 				if (l->epoch < r->epoch)
@@ -292,6 +406,8 @@ note_server(struct redis *r, struct kl__rconn *c)
 	}
 	c->epoch = r->epoch;
 	pthread_mutex_unlock(&r->mu);
+	freeReplyObject(rep);
+	return KL_OK;
 }
 
 static int
@@ -300,8 +416,10 @@ conn_new(struct redis *r, int64_t cap_ns, struct kl__rconn **out,
 {
 	int rc = kl__rconn_open(&r->conf, cap_ns, out, err);
 
-	if (rc == KL_OK)
-		note_server(r, *out);
+	if (rc == KL_OK && (rc = mark_server(r, *out, cap_ns, err)) != KL_OK) {
+		kl__rconn_close(*out);
+		*out = NULL;
+	}
 	return rc;
 }
 
@@ -423,32 +541,32 @@ cmd_deadline(const struct redis *r, int64_t wait_deadline, int64_t extra_ns)
 	return d;
 }
 
-/* No grants while the server may have lost locks that old holders still
- * believe they hold (see the file comment). */
-static int
-check_guard(struct redis *r, struct kl__rconn *c, int64_t ttl_ms,
-	    kl_error *err)
+/* The restart guard an attempt asks for: *ms (-1: off), whether the
+ * server's ttl record also counts, and whether to refresh the record. */
+static void
+guard_need(struct redis *r, int64_t ttl_ms, int64_t *ms, bool *use_rec,
+	   bool *refresh)
 {
-	int64_t need, up;
+	int64_t now = kl__redis_now_ns();
 
 	pthread_mutex_lock(&r->mu);
 	if (ttl_ms > r->max_ttl_ms)
 		r->max_ttl_ms = ttl_ms;
-	if (r->conf.restart_guard_ms != KL_R_GUARD_AUTO)
-		need = r->conf.restart_guard_ms;
-	else
-		need = c->persistent ? 0 : r->max_ttl_ms;
+	/* The record needs raising, or its expiry renewing now and then. */
+	*refresh = ttl_ms > r->seen_ttl_ms || r->rec_ns == 0 ||
+		   now - r->rec_ns >= RECORD_REFRESH_MS * MS;
+	if (*refresh)
+		r->rec_ns = now;
+	if (r->conf.restart_guard_ms == KL_R_GUARD_AUTO) {
+		*ms = r->max_ttl_ms > r->seen_ttl_ms ? r->max_ttl_ms
+						     : r->seen_ttl_ms;
+		*use_rec = true;
+	} else {
+		*ms = r->conf.restart_guard_ms > 0 ? r->conf.restart_guard_ms
+						   : -1;
+		*use_rec = false;
+	}
 	pthread_mutex_unlock(&r->mu);
-	up = kl__rconn_uptime_ms(c);
-	if (up >= need)
-		return KL_OK;
-	kl__redis_error(err, KL_EPROVIDER,
-			"redis provider: the server has been up for %lld ms "
-			"only; it may have restarted and lost locks, so none "
-			"is granted before it has been up %lld ms "
-			"(restart_guard)",
-			(long long)up, (long long)need);
-	return KL_EPROVIDER;
 }
 
 /* ------------------------------------------------------------------ */
@@ -469,13 +587,23 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 	bool queued, int64_t deadline, bool *granted, uint64_t *fence,
 	int64_t *sent_ns, kl_error *err)
 {
-	char ttl[24], hb[24], keep[24];
-	const char *args[5];
-	size_t alens[5];
+	char ttl[24], hb[24], keep[24], guard[24];
+	const char *keys[7] = { l->n.k[K_LOCK], l->n.k[K_QUEUE], l->n.k[K_HB],
+				l->n.k[K_FENCE], l->n.k[K_WAKE], r->gkey[0],
+				r->gkey[1] };
+	size_t klens[7] = { l->n.len[K_LOCK], l->n.len[K_QUEUE],
+			    l->n.len[K_HB], l->n.len[K_FENCE],
+			    l->n.len[K_WAKE], r->gkey_len[0],
+			    r->gkey_len[1] };
+	const char *args[8];
+	size_t alens[8];
 	redisReply *rep, *e0, *e1;
+	int64_t need;
+	bool use_rec, refresh;
 	int rc;
 
 	*granted = false;
+	guard_need(r, l->ttl_ms, &need, &use_rec, &refresh);
 	args[0] = l->tok;
 	alens[0] = strlen(l->tok);
 	args[1] = ttl;
@@ -486,13 +614,20 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 	alens[3] = strlen(args[3]);
 	args[4] = keep;
 	alens[4] = num(keep, sizeof keep, FENCE_KEEP_MS);
+	args[5] = guard;
+	alens[5] = num(guard, sizeof guard, need);
+	args[6] = use_rec ? "1" : "0";
+	alens[6] = 1;
+	args[7] = refresh ? "1" : "0";
+	alens[7] = 1;
 	*sent_ns = kl__redis_now_ns();
-	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 5, l->n.k,
-			      l->n.len, 5, args, alens, &rep, err);
+	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 7, keys, klens, 8,
+			      args, alens, &rep, err);
 	if (rc != KL_OK)
 		return rc;
-	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
-	    rep->element[0]->type != REDIS_REPLY_INTEGER) {
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements < 3 ||
+	    rep->element[0]->type != REDIS_REPLY_INTEGER ||
+	    rep->element[2]->type != REDIS_REPLY_INTEGER) {
 		freeReplyObject(rep);
 		kl__redis_error(err, KL_EPROVIDER,
 				"redis provider: unexpected reply to an "
@@ -501,12 +636,20 @@ attempt(struct redis *r, struct kl__rconn *c, struct lease *l, bool try_only,
 	}
 	e0 = rep->element[0];
 	e1 = rep->element[1];
+	pthread_mutex_lock(&r->mu);
+	if (rep->element[2]->integer > r->seen_ttl_ms)
+		r->seen_ttl_ms = rep->element[2]->integer;
+	pthread_mutex_unlock(&r->mu);
+	l->guard_left_ms = 0;
 	if (e0->integer == 1) {
 		*granted = true;
 		if (e1->type == REDIS_REPLY_STRING)
 			*fence = strtoull(e1->str, NULL, 10);
 		else if (e1->type == REDIS_REPLY_INTEGER)
 			*fence = (uint64_t)e1->integer;
+	} else if (rep->elements > 3 &&
+		   rep->element[3]->type == REDIS_REPLY_INTEGER) {
+		l->guard_left_ms = rep->element[3]->integer;
 	}
 	freeReplyObject(rep);
 	return KL_OK;
@@ -729,9 +872,6 @@ first_attempt(struct redis *r, struct kl__rconn **cp, struct lease *l,
 	int rc, tries = 0;
 
 	for (;;) {
-		rc = check_guard(r, *cp, l->ttl_ms, err);
-		if (rc != KL_OK)
-			return rc;
 		rc = attempt(r, *cp, l, try_only, tries > 0,
 			     try_only ? cmd_deadline(r, KL_R_NO_DEADLINE, 0)
 				      : cmd_deadline(r, deadline, 0),
@@ -754,6 +894,18 @@ first_attempt(struct redis *r, struct kl__rconn **cp, struct lease *l,
 
 /* ------------------------------------------------------------------ */
 /* Provider operations                                                 */
+
+/* A wait that timed out while the restart guard held says so. */
+static void
+guard_said(const struct lease *l, kl_error *err)
+{
+	if (l->guard_left_ms > 0)
+		kl__redis_error(err, KL_ETIMEDOUT,
+				"redis provider: no lock is granted for "
+				"another %lld ms: the server may have lost "
+				"locks in a restart (restart_guard)",
+				(long long)l->guard_left_ms);
+}
 
 /* A wait that timed out or was cancelled did not fail: a message left in
  * err by a command that failed and was retried on a new connection does
@@ -819,8 +971,10 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			/* Tried once, never queued: nothing to undo but an
 			 * attempt left unanswered on a replaced connection. */
 			conn_put(r, c);
+			rc = not_failed(err, KL_ETIMEDOUT);
+			guard_said(l, err);
 			undo_later(r, l);
-			return not_failed(err, KL_ETIMEDOUT);
+			return rc;
 		}
 		rc = wait_queued(r, &c, l, cancel, deadline, fence, &sent,
 				 err);
@@ -842,9 +996,12 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			leave_anyway(r, c, l, cap);
 		stash(l, &c);
 		conn_put(r, c);
+		rc = not_failed(err, rc);
+		if (rc == KL_ETIMEDOUT)
+			guard_said(l, err);
 		undo_later(r, l);
 		*fence = 0;
-		return not_failed(err, rc);
+		return rc;
 	}
 	/* Granted.  An attempt left unanswered on a replaced connection
 	 * could only grant this same token; and the server, which answered
@@ -1238,6 +1395,8 @@ redis_destroy(void *impl)
 		kl__rconn_close(r->idle[--r->nidle]);
 	kl__rconn_close(r->rconn);
 	free(r->idle);
+	free(r->gkey[0]);
+	free(r->gkey[1]);
 	/* In a child of fork(), the parent's renewal thread may still count
 	 * as a waiter of cv, and destroying it would wait for that thread
 	 * for ever: leave both to the child's exit. */
@@ -1310,6 +1469,18 @@ kl_redis_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	if ((r->idle = calloc(r->conf.pool, sizeof *r->idle)) == NULL) {
 		rc = KL_ENOMEM;
 		goto fail;
+	}
+	for (int i = 0; i < 2; i++) {
+		const char *what = i == 0 ? "guard" : "maxttl";
+
+		r->gkey_len[i] = r->conf.prefix_len + strlen(what);
+		if ((r->gkey[i] = malloc(r->gkey_len[i] + 1)) == NULL) {
+			rc = KL_ENOMEM;
+			goto fail;
+		}
+		memcpy(r->gkey[i], r->conf.prefix, r->conf.prefix_len);
+		memcpy(r->gkey[i] + r->conf.prefix_len, what,
+		       strlen(what) + 1);
 	}
 	/* Connect now, so a wrong address or password fails here. */
 	if ((rc = conn_new(r, KL_R_NO_DEADLINE, &c, err)) != KL_OK)

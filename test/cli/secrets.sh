@@ -234,7 +234,7 @@ acl_user() {
 	[ "$reply" = "+OK" ] || fail "ACL SETUSER $user: $reply"
 }
 acl_user locker "~keylock:* +@read +@write +@scripting +info +time +select"
-acl_user minimal "~keylock:* -@all +auth +hello +select +info +eval +evalsha +script|load +blpop +time +get +set +incr +del +exists +hget +hset +hdel +llen +lpush +pexpire +pttl +zadd +zrange +zrank +zrem +zscore"
+acl_user minimal "~keylock:* -@all +auth +hello +select +info +eval +evalsha +script|load +blpop +time +get +set +incr +del +exists +hget +hmget +hset +hdel +llen +lpush +pexpire +pttl +zadd +zrange +zrank +zrem +zscore"
 acl_user nokeys "resetkeys ~other:* +@all"
 unset KEYLOCK_REDIS_PASSWORD
 printf '%s\n' "$ACLPW" >"$TMP/pw-acl"

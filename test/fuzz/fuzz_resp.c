@@ -15,7 +15,8 @@
  * Input: the first byte selects, the rest are the replies (raw RESP; a 0xFF
  * byte is dropped and splits the replies into separate writes):
  *   bit 0  the server starts with a valid handshake of its own (AUTH,
- *          SELECT, INFO of a Redis 7.0, the five SCRIPT LOAD digests), so
+ *          SELECT, INFO of a Redis 7.0, the five SCRIPT LOAD digests, the
+ *          restart marker's answer: no lock missing), so
  *          the input's replies are those to the attempt, the release and
  *          the status query;
  *   bit 1  the URI selects database 1 (a SELECT reply comes first);
@@ -201,6 +202,8 @@ static const char info_text[] =
 	"uptime_in_seconds:1000\r\n# Persistence\r\naof_enabled:0\r\n";
 static const char sha_reply[] =
 	"$40\r\n0123456789abcdef0123456789abcdef01234567\r\n";
+/* The restart marker script: {start 0, ttl record 30000}. */
+static const char mark_reply[] = "*2\r\n$1\r\n0\r\n:30000\r\n";
 
 static size_t
 append(uint8_t *buf, size_t at, const void *p, size_t n)
@@ -241,6 +244,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		n = append(buf, n, "\r\n", 2);
 		for (i = 0; i < 5; i++)
 			n = append(buf, n, sha_reply, sizeof sha_reply - 1);
+		n = append(buf, n, mark_reply, sizeof mark_reply - 1);
 	}
 	if (size > 0)
 		n = append(buf, n, data, size);
