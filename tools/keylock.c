@@ -23,7 +23,8 @@
  * directly and once more forwarded; and a hangup that the kernel sends to
  * keylock alone as a session leader reaches it too.  The price is job
  * control: keylock hands the terminal to the command's group while it
- * runs (as a shell's job; in a script, once the command needs it), and
+ * runs (as a shell's job; in a script or a pipeline, once the command
+ * needs it), and
  * mirrors its stops (follow_stop).  The command is waited for
  * with WNOWAIT first and marked DONE before it is reaped, so a signal is
  * never sent to a pid that may have been reused.
@@ -943,7 +944,7 @@ follow_stop(pid_t pid, int stop_sig)
 	if ((stop_sig == SIGTTIN || stop_sig == SIGTTOU) &&
 	    (fd = foreground_tty()) >= 0) {
 		/* The command needs the terminal that keylock's group has
-		 * (keylock does not lead it, see run_command): it gets it
+		 * (it was not handed over, see run_command): it gets it
 		 * from now on, and goes on. */
 		pthread_mutex_lock(&sigs.mu);
 		sigs.tty = true;
@@ -989,7 +990,7 @@ run_command(struct command *c, int *sig)
 	char buf[SHOWN_MAX];
 	siginfo_t info;
 	int fds[2], err, status, ttyfd;
-	bool leader;
+	bool own_job;
 	ssize_t n;
 	pid_t pid;
 
@@ -1002,13 +1003,16 @@ run_command(struct command *c, int *sig)
 	 * pipe() and these. */
 	fcntl(fds[0], F_SETFD, FD_CLOEXEC);
 	fcntl(fds[1], F_SETFD, FD_CLOEXEC);
-	/* keylock leads its group when a shell started it as a job: the
-	 * command gets the job's terminal now.  Otherwise the group is that
-	 * of a script or a pipeline, whose other members (the shell, which
-	 * Ctrl-C must reach; a background job must not take it from them)
-	 * keep the terminal unless the command needs it (follow_stop). */
-	leader = getpgrp() == getpid();
-	ttyfd = leader ? foreground_tty() : -1;
+	/* keylock leads its group and has the terminal on both ends when a
+	 * shell started it as a job of its own: the command gets the job's
+	 * terminal now.  Otherwise the group is that of a script or of a
+	 * pipeline, whose other members (the shell, which Ctrl-C must reach;
+	 * a pager reading keys) keep the terminal, and a keylock in a
+	 * script's background does not take it from them, unless the
+	 * command needs it (follow_stop). */
+	own_job = getpgrp() == getpid() && isatty(STDIN_FILENO) &&
+		  isatty(STDOUT_FILENO);
+	ttyfd = own_job ? foreground_tty() : -1;
 
 	/* The fork happens under sigs.mu, so a signal is either seen before
 	 * (the command does not start) or forwarded to the child. */
@@ -1023,7 +1027,7 @@ run_command(struct command *c, int *sig)
 			close(ttyfd);
 		return 128 + *sig;
 	}
-	sigs.tty = leader;
+	sigs.tty = own_job;
 	pid = fork();
 	err = errno;
 	if (pid == 0)

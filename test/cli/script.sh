@@ -4,7 +4,9 @@
 # script's process group (no job control): the terminal stays with that
 # group, so that Ctrl-C still reaches the script and ends it, and a keylock
 # in the script's background does not take the terminal from it; a command
-# that reads the terminal gets it when it does.  And keylock started with
+# that reads the terminal gets it when it does.  In a pipeline of an
+# interactive shell (keylock ... | less), the terminal stays with the
+# pipeline's group, where the pager reads it.  And keylock started with
 # SIGCHLD ignored still reports its command's exit status.
 . "$(dirname "$0")/lib.sh"
 need_local
@@ -57,6 +59,20 @@ cat >"$TMP/s3" <<EOS
 $KL k3 -- sh -c 'read -r x; echo "\$x" >$T/s3.got'
 echo \$? >$T/s3.rc
 EOS
+# p1 | p2: p2 reads a line from the pipe, then one from the terminal; p1
+# waits for it (at most 30 s).  Were the terminal given to p1's group, p2
+# would stop (SIGTTIN to keylock's group too) and the job with it: 148.
+cat >"$TMP/p1" <<EOS
+echo out
+touch $T/p1.started
+i=0
+while [ ! -e $T/p2.got ] && [ \$i -lt 600 ]; do sleep 0.05; i=\$((i + 1)); done
+EOS
+cat >"$TMP/p2" <<EOS
+read -r y
+read -r x </dev/tty
+echo "\$x" >$T/p2.got
+EOS
 cat >"$TMP/input" <<EOF2
 send bash $T/s1\\n
 wait $T/s1.started
@@ -68,20 +84,27 @@ wait $T/s2.done
 send bash $T/s3\\n
 send hello\\n
 wait $T/s3.rc
-send exit\\n
+send $KL k4 -- sh $T/p1 | sh $T/p2\\n
+wait $T/p1.started
+send piped\\n
+send echo \$? >$T/p.rc\\n
+wait $T/p.rc
+send kill -KILL %1 2>/dev/null; wait; exit\\n
 EOF2
 
 rc=0
 PTY_RUN_INPUT=$TMP/input PS1='$ ' "$PTY_RUN" "$TMP/never" - -- \
 	env --default-signal bash --norc --noprofile -i >"$OUT" 2>"$ERR" ||
 	rc=$?
-[ "$rc" -eq 0 ] || fail "pty_run exited with $rc"
 [ "$(cat "$TMP/s1.rc")" = 130 ] || fail "Ctrl-C: the script exited $(cat "$TMP/s1.rc"), expected 130"
 [ ! -e "$TMP/s1.after" ] || fail "Ctrl-C did not reach the script: it went on after keylock"
 read -r pg tpg <"$TMP/s2.pg"
 [ "$pg" = "$tpg" ] || fail "a background keylock took the script's terminal (group $pg, terminal's $tpg)"
 [ "$(cat "$TMP/s3.got" 2>/dev/null)" = hello ] || fail "the command of a script did not read the terminal"
 [ "$(cat "$TMP/s3.rc")" = 0 ] || fail "s3: keylock exited $(cat "$TMP/s3.rc")"
+[ "$(cat "$TMP/p.rc")" = 0 ] || fail "keylock ... | reader of the terminal: exit $(cat "$TMP/p.rc") (148: stopped)"
+[ "$(cat "$TMP/p2.got" 2>/dev/null)" = piped ] || fail "the pipeline's reader did not read the terminal"
+[ "$rc" -eq 0 ] || fail "pty_run exited with $rc"
 kl "${P[@]}" -n k -- true
 expect_rc 0 "the key after Ctrl-C"
 exit 0
