@@ -23,7 +23,9 @@
  * directly and once more forwarded; and a hangup that the kernel sends to
  * keylock alone as a session leader reaches it too.  The price is job
  * control: keylock hands the terminal to the command's group while it
- * runs, and mirrors its stops (follow_stop).  The command is waited for
+ * runs (as a shell's job; in a script or a pipeline, once the command
+ * needs it), and
+ * mirrors its stops (follow_stop).  The command is waited for
  * with WNOWAIT first and marked DONE before it is reaped, so a signal is
  * never sent to a pid that may have been reused.
  *
@@ -552,7 +554,12 @@ static struct {
 	enum phase phase;
 	kl_cancel *cancel; /* fired in PHASE_WAIT */
 	pid_t child;       /* valid in PHASE_RUN; also its process group */
+	/* The command's group may have the terminal whenever keylock's group
+	 * is in the foreground: keylock leads its group (a shell's job), or
+	 * the command needed the terminal (see follow_stop). */
+	bool tty;
 	int pending;       /* first signal before the command ran, or 0 */
+	bool chld_ignored; /* SIGCHLD was ignored: so it is for the command */
 } sigs = { .mu = PTHREAD_MUTEX_INITIALIZER };
 
 /* What a signal does by default, for the phases without a command. */
@@ -633,7 +640,7 @@ sig_main(void *arg)
 			 * (the command then stopped when it touched the
 			 * terminal).  In the foreground now, it hands the
 			 * terminal to the command before continuing it. */
-			if (sig == SIGCONT) {
+			if (sig == SIGCONT && sigs.tty) {
 				int fd = foreground_tty();
 
 				if (fd >= 0) {
@@ -654,7 +661,8 @@ sig_main(void *arg)
 /* Blocks every signal keylock can catch in this thread, so in every thread
  * started later: a signal must never end keylock while the command runs,
  * since that would release the key early.  Left alone: SIGKILL and SIGSTOP
- * (they cannot be caught) and SIGCHLD (the command's end is waited for).
+ * (they cannot be caught) and SIGCHLD (the command's end is waited for;
+ * an ignored one is made default, see below).
  * A blocked SIGCONT still continues keylock.  A signal ignored when keylock
  * started stays ignored (as nohup(1) or a shell's background job set it),
  * for keylock and the command. */
@@ -664,6 +672,15 @@ block_signals(void)
 	struct sigaction sa;
 	int sig;
 
+	/* An ignored SIGCHLD would have the command reaped by the kernel as
+	 * it exits: its status lost, and its pid free for reuse while
+	 * signals are still forwarded to it. */
+	if (sigaction(SIGCHLD, NULL, &sa) == 0 && sa.sa_handler == SIG_IGN) {
+		sa.sa_handler = SIG_DFL;
+		sa.sa_flags = 0;
+		sigaction(SIGCHLD, &sa, NULL);
+		sigs.chld_ignored = true;
+	}
 	sigemptyset(&sigs.set);
 	for (sig = 1; sig < NSIG; sig++) {
 		if (sig == SIGKILL || sig == SIGSTOP || sig == SIGCHLD)
@@ -867,7 +884,15 @@ child_exec(struct command *c, int ttyfd, int errfd)
 	if (ttyfd >= 0)
 		tcsetpgrp(ttyfd, getpid());
 	/* The dispositions are the ones keylock started with (it sets no
-	 * handler); only the mask changed. */
+	 * handler) but SIGCHLD's, which is restored; the mask changed. */
+	if (sigs.chld_ignored) {
+		struct sigaction sa;
+
+		memset(&sa, 0, sizeof sa);
+		sa.sa_handler = SIG_IGN;
+		sigemptyset(&sa.sa_mask);
+		sigaction(SIGCHLD, &sa, NULL);
+	}
 	sigprocmask(SIG_SETMASK, &sigs.old_mask, NULL);
 	for (i = 0; i < c->npaths; i++) {
 		execve(c->paths[i], c->argv, c->envp);
@@ -916,6 +941,19 @@ follow_stop(pid_t pid, int stop_sig)
 	memset(&info, 0, sizeof info);
 	/* Consumes the report of this stop (the command is not reaped). */
 	waitid(P_PID, pid, &info, WSTOPPED | WNOHANG);
+	if ((stop_sig == SIGTTIN || stop_sig == SIGTTOU) &&
+	    (fd = foreground_tty()) >= 0) {
+		/* The command needs the terminal that keylock's group has
+		 * (it was not handed over, see run_command): it gets it
+		 * from now on, and goes on. */
+		pthread_mutex_lock(&sigs.mu);
+		sigs.tty = true;
+		tcsetpgrp(fd, pid);
+		pthread_mutex_unlock(&sigs.mu);
+		close(fd);
+		forward(pid, SIGCONT);
+		return;
+	}
 	if (stop_sig != SIGTSTP && stop_sig != SIGTTIN && stop_sig != SIGTTOU)
 		return;
 	if (getsid(parent) != getsid(0) || getpgid(parent) == getpgrp())
@@ -952,6 +990,7 @@ run_command(struct command *c, int *sig)
 	char buf[SHOWN_MAX];
 	siginfo_t info;
 	int fds[2], err, status, ttyfd;
+	bool own_job;
 	ssize_t n;
 	pid_t pid;
 
@@ -964,7 +1003,16 @@ run_command(struct command *c, int *sig)
 	 * pipe() and these. */
 	fcntl(fds[0], F_SETFD, FD_CLOEXEC);
 	fcntl(fds[1], F_SETFD, FD_CLOEXEC);
-	ttyfd = foreground_tty();
+	/* keylock leads its group and has the terminal on both ends when a
+	 * shell started it as a job of its own: the command gets the job's
+	 * terminal now.  Otherwise the group is that of a script or of a
+	 * pipeline, whose other members (the shell, which Ctrl-C must reach;
+	 * a pager reading keys) keep the terminal, and a keylock in a
+	 * script's background does not take it from them, unless the
+	 * command needs it (follow_stop). */
+	own_job = getpgrp() == getpid() && isatty(STDIN_FILENO) &&
+		  isatty(STDOUT_FILENO);
+	ttyfd = own_job ? foreground_tty() : -1;
 
 	/* The fork happens under sigs.mu, so a signal is either seen before
 	 * (the command does not start) or forwarded to the child. */
@@ -979,6 +1027,7 @@ run_command(struct command *c, int *sig)
 			close(ttyfd);
 		return 128 + *sig;
 	}
+	sigs.tty = own_job;
 	pid = fork();
 	err = errno;
 	if (pid == 0)
