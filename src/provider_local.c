@@ -9,6 +9,9 @@
  * and finds out, at the latest on release, that the path now leads
  * elsewhere (the directory renamed or removed while the key was held:
  * another process may have been granted the key in a fresh directory).
+ * So does a provider whose directory's secret was removed or replaced
+ * (a cleanup of the directory's files): a process opening the directory
+ * afterwards makes a new secret and names the key's files differently.
  * The directory holds a random 16-byte "secret", made once (O_EXCL on a
  * temporary name, then an atomic no-replace rename), that keys the SipHash
  * naming the files: a reader of the directory cannot confirm a guessed key
@@ -142,6 +145,8 @@ struct local {
 	dev_t dev;  /* the directory as opened */
 	ino_t ino;
 	uint64_t k0, k1; /* the directory's secret */
+	int sfd;         /* the secret's file, kept open (see lease_lost) */
+	ino_t sino;
 	pthread_mutex_t pool_lock;
 	int pool[POOL_MAX]; /* idle inotify descriptors */
 	int npool;
@@ -396,6 +401,12 @@ lease_lost(struct local *lp, const struct local_lease *l)
 
 	if (stat(lp->path, &st) != 0 || !same_file(&st, lp->dev, lp->ino))
 		return true;
+	/* A secret removed (a cleanup) and made again by another process
+	 * names the key's files differently there: its grants are not
+	 * ours to see. */
+	if (fstatat(lp->dirfd, KL_LOCAL_SECRET, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	    !same_file(&st, lp->dev, lp->sino))
+		return true;
 	if (fstatat(lp->dirfd, l->name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
 	    !same_file(&st, l->qdev, l->qino))
 		return true;
@@ -409,7 +420,8 @@ lost_error(struct local *lp, kl_error *err)
 {
 	kl__error_set(err, KL_EPROVIDER,
 		      "local provider: the state directory %s was removed, "
-		      "renamed or replaced (or its files were) while the key "
+		      "renamed or replaced (or its files were, its secret "
+		      "among them) while the key "
 		      "was held, so another process may have held it too; "
 		      "keep state directories away from tmp cleaners and "
 		      "other users (see kl_provider(3))",
@@ -797,6 +809,7 @@ local_destroy(void *impl)
 	for (int i = 0; i < lp->npool; i++)
 		close(lp->pool[i]);
 	pthread_mutex_destroy(&lp->pool_lock);
+	close(lp->sfd);
 	close(lp->dirfd);
 	kl__free(lp->path);
 	kl__free(lp);
@@ -832,6 +845,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 		kl__free(path);
 		return KL_ENOMEM;
 	}
+	lp->sfd = -1;
 	rc = kl__local_dir_open(path, &lp->dirfd, &lp->path, err);
 	kl__free(path);
 	if (rc != KL_OK) {
@@ -846,8 +860,13 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	lp->dev = st.st_dev;
 	lp->ino = st.st_ino;
 	if ((rc = kl__local_secret(lp->dirfd, lp->path, &lp->k0, &lp->k1,
-				   err)) != KL_OK)
+				   &lp->sfd, err)) != KL_OK)
 		goto fail;
+	if (fstat(lp->sfd, &st) != 0) {
+		rc = fail(err, KL_EPROVIDER, "cannot stat the secret", errno);
+		goto fail;
+	}
+	lp->sino = st.st_ino;
 	if (pthread_mutex_init(&lp->pool_lock, NULL) != 0) {
 		rc = KL_ENOMEM;
 		goto fail;
@@ -858,6 +877,8 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	}
 	return KL_OK;
 fail:
+	if (lp->sfd >= 0)
+		close(lp->sfd);
 	close(lp->dirfd);
 	kl__free(lp->path);
 	kl__free(lp);

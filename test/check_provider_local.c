@@ -2848,6 +2848,70 @@ cmp_i64(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
+/* ------------------------------------------------------------------ */
+/* Review of the issue 15 rewrite                                       */
+
+/* A cleanup (rm DIR/...) removes the secret while a provider has the
+ * directory open: a provider opened after it makes another secret, which
+ * names the key's queue file differently.  The older provider must not
+ * be granted the key beside the newer one, and a lease it held must be
+ * found lost. */
+START_TEST(test_secret_replaced)
+{
+	const char *key = "lo:secret-gone";
+	kl_provider *p = open_dir(g_dir), *q;
+	char path[PATH_MAX];
+	struct hold h1, h2;
+	kl_error err;
+	int rc;
+
+	take_ok(p, key, 0, &h1);
+	in_state(path, sizeof path, SECRET_NAME);
+	ck_assert_int_eq(unlink(path), 0);
+	q = open_dir(g_dir);
+	take_ok(q, key, 0, &h2);
+	ck_assert_msg(!kl_lease_valid(h1.lease),
+		      "a lease under the old secret still looks valid beside "
+		      "a holder under the new one");
+	drop(&h1);
+	/* Held under the new secret: the old provider must not get it. */
+	rc = take(p, key, 0, NULL, &h1, &err);
+	if (rc == KL_OK)
+		drop(&h1);
+	ck_assert_msg(rc == KL_EPROVIDER, "old provider: %s beside a holder",
+		      kl_strerror(rc));
+	ck_assert_ptr_nonnull(strstr(err.message, g_dir));
+	drop(&h2);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A process killed between making the secret's temporary file and
+ * renaming it leaves "secret.PID.N"; a later process with the same pid
+ * (pids are reused, and start from 1 in every container) must still be
+ * able to open the directory. */
+START_TEST(test_secret_temp_left)
+{
+	char path[PATH_MAX], name[64];
+	struct stat st;
+	int fd;
+
+	for (int i = 0; i < 64; i++) {
+		snprintf(name, sizeof name, "%s.%ld.%d", SECRET_NAME,
+			 (long)getpid(), i);
+		in_state(path, sizeof path, name);
+		fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+		ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+		close(fd);
+	}
+	kl_provider_free(open_dir(g_dir));
+	in_state(path, sizeof path, SECRET_NAME);
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert_int_eq(st.st_size, SECRET_LEN);
+}
+END_TEST
+
 /* Release -> next holder's grant, across two providers (as two processes):
  * the waiter sleeps on inotify and must be handed the key in one wake-up.
  * Prints the percentiles; asserts only that every round was a grant (the
@@ -2972,6 +3036,11 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_idle_keys_leave_nothing);
 	tcase_add_test(tc, test_idle_removal_race);
 	tcase_add_test(tc, test_secret_names);
+
+	/* Found in review of the issue 15 rewrite. */
+	tc = tcase_new(s, "review", 120);
+	tcase_add_test(tc, test_secret_replaced);
+	tcase_add_test(tc, test_secret_temp_left);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
