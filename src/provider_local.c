@@ -338,10 +338,18 @@ ticket_alive(struct local *lp, const char *qname, uint64_t n, bool locked)
 	 * (with the queue lock held, that would hang the key). */
 	fd = openat(lp->dirfd, tname,
 		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+	/* Missing, or a link or socket planted: no owner.  Out of
+	 * descriptors or memory we cannot tell, and skipping a live holder
+	 * would grant the key twice: count it alive, whoever looks next
+	 * tells. */
 	if (fd < 0)
-		return false;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-	    st.st_uid != geteuid()) {
+		return errno == EMFILE || errno == ENFILE || errno == ENOMEM ||
+		       errno == EINTR;
+	if (fstat(fd, &st) != 0) {
+		close(fd);
+		return true;
+	}
+	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
 		/* Not a ticket of ours: no live owner can hold it. */
 		close(fd);
 		if (locked)
@@ -349,9 +357,9 @@ ticket_alive(struct local *lp, const char *qname, uint64_t n, bool locked)
 		return false;
 	}
 	/* Shared when only looking, so that two lookers cannot make a dead
-	 * ticket look alive to each other. */
-	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0 &&
-		errno == EWOULDBLOCK;
+	 * ticket look alive to each other.  A failure other than
+	 * EWOULDBLOCK (ENOLCK) does not tell either: alive. */
+	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0;
 	if (!alive && locked)
 		unlinkat(lp->dirfd, tname, 0);
 	close(fd);
@@ -621,9 +629,19 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		goto fail_unlock;
 	}
 	KL_CRASH_POINT("ticket-created");
-	if (flock(l->tfd, LOCK_EX | LOCK_NB) != 0 || fstat(l->tfd, &tst) != 0) {
-		rc = fail_file(lp, err, "cannot take the ticket", tname,
-			       errno);
+	/* Status looks at tickets by name without the queue lock, with a
+	 * shared flock held for a moment: one that read the counters before
+	 * the idle queue file was removed and made again may be looking at
+	 * this new file under its old name.  Wait for it as for the queue
+	 * lock. */
+	rc = qlock(l->tfd, timeout_ms == 0 ? kl__deadline(TRY_GRACE_MS)
+					   : deadline, cancel);
+	if (rc == KL_OK && fstat(l->tfd, &tst) != 0)
+		rc = KL_EPROVIDER;
+	if (rc != KL_OK) {
+		if (rc == KL_EPROVIDER)
+			fail_file(lp, err, "cannot take the ticket", tname,
+				  errno);
 		goto fail_ticket;
 	}
 	l->tdev = tst.st_dev;

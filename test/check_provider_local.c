@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2887,6 +2888,129 @@ START_TEST(test_secret_replaced)
 }
 END_TEST
 
+/* Ticket liveness must not be guessed from an error: a process out of
+ * file descriptors cannot open the holder's ticket file, which does not
+ * make the holder dead.  Each count of free descriptors fails a try at
+ * some step; none may grant the key beside its holder. */
+START_TEST(test_fd_limit_holder_alive)
+{
+	const char *key = "lo:emfile";
+	kl_provider *p = open_dir(g_dir);
+	struct rlimit old, low;
+	int fds[512], nfds, rc[6], null;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lease *lease;
+	struct hold h;
+	kl_lock *l;
+
+	take_ok(p, key, KL_FOREVER, &h);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(null, 0);
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+	low = old;
+	low.rlim_cur = 256;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	for (int free_fds = 0; free_fds < 6; free_fds++) {
+		nfds = 0;
+		while (nfds < 512 && (fds[nfds] = dup(null)) >= 0)
+			nfds++;
+		ck_assert_int_eq(errno, EMFILE);
+		for (int i = 0; i < free_fds && nfds > 0; i++)
+			close(fds[--nfds]);
+		lease = NULL;
+		rc[free_fds] = kl_lock_acquire(l, NULL, &lease, NULL);
+		while (nfds > 0)
+			close(fds[--nfds]);
+		if (lease != NULL)
+			kl_lease_release(lease);
+	}
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	close(null);
+	for (int i = 0; i < 6; i++)
+		ck_assert_msg(rc[i] != KL_OK,
+			      "granted beside its holder with %d free "
+			      "descriptors", i);
+	ck_assert(kl_lease_valid(h.lease));
+	assert_status(p, key, 1, 0);
+	drop(&h);
+	assert_status(p, key, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* The state letter of process pid in /proc ('S', 'T', 'Z', ...). */
+static char
+proc_state(pid_t pid)
+{
+	char path[64], buf[512], *rp;
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return '?';
+	n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0)
+		return '?';
+	buf[n] = '\0';
+	rp = strrchr(buf, ')');
+	return rp != NULL && rp[1] == ' ' ? rp[2] : '?';
+}
+
+static bool
+not_stopped(void *arg)
+{
+	char c = proc_state(*(pid_t *)arg);
+
+	return c == 'S' || c == 'Z' || c == '?';
+}
+
+/* Status looks at tickets without the queue lock, by name, with a shared
+ * flock.  A status that read the counters before the idle queue file was
+ * removed and made again looks at ticket names the new queue hands out
+ * again from 0, and may hold its shared flock on a ticket file that an
+ * acquirer has just made and not yet flocked.  That must delay the
+ * acquirer, not fail it.  The look is done here by hand, at the moment a
+ * helper stopped at "ticket-created" has made ticket 0. */
+START_TEST(test_ticket_looked_at_while_made)
+{
+	const char *key = "lo:looked";
+	kl_provider *p = open_dir(g_dir);
+	char qname[64], tname[80], path[PATH_MAX];
+	struct helper hs;
+	int status, fd;
+
+	queue_name(qname, sizeof qname, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.0", qname);
+	helper_spawn_env(&hs, "hold", key, NULL, 0, "KL_STOP_AT",
+			 "ticket-created");
+	ck_assert_int_eq(waitpid(hs.pid, &status, WUNTRACED), hs.pid);
+	ck_assert(WIFSTOPPED(status));
+	in_state(path, sizeof path, tname);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+	ck_assert_int_eq(flock(fd, LOCK_SH | LOCK_NB), 0);
+	ck_assert_int_eq(kill(hs.pid, SIGCONT), 0);
+	/* Running again, it either fails at once (exits) or waits for the
+	 * look to end (sleeps). */
+	test_poll(not_stopped, &hs.pid, "the helper to run on");
+	close(fd);
+	helper_granted(&hs);
+	ck_assert_int_eq(write(hs.to, "x\n", 2), 2);
+	helper_exit_ok(&hs);
+	helper_close(&hs);
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A process killed between making the secret's temporary file and
  * renaming it leaves "secret.PID.N"; a later process with the same pid
  * (pids are reused, and start from 1 in every container) must still be
@@ -3040,6 +3164,8 @@ provider_local_suite(void)
 	/* Found in review of the issue 15 rewrite. */
 	tc = tcase_new(s, "review", 120);
 	tcase_add_test(tc, test_secret_replaced);
+	tcase_add_test(tc, test_fd_limit_holder_alive);
+	tcase_add_test(tc, test_ticket_looked_at_while_made);
 	tcase_add_test(tc, test_secret_temp_left);
 
 	tc = tcase_new(s, "latency", 120);
