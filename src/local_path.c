@@ -37,7 +37,8 @@
 #define ERRTEXT(e) strerror_r((e), errbuf, sizeof errbuf)
 
 /* The absolute, normalized form of path (a fresh string), or NULL (errno
- * set). */
+ * set: ELOOP for a ".." after a symbolic link, which the kernel would
+ * resolve from the link's target, not lexically). */
 static char *
 normalize(const char *path)
 {
@@ -72,6 +73,18 @@ normalize(const char *path)
 		if (n == 0 || (n == 1 && s[0] == '.')) {
 			/* nothing to add */
 		} else if (n == 2 && s[0] == '.' && s[1] == '.') {
+			struct stat st;
+
+			/* The name dropped is never opened, so check here
+			 * that it is no link (an ancestor checked later
+			 * keeps others from making it one). */
+			out[o] = '\0';
+			if (o > 0 && lstat(out, &st) == 0 && S_ISLNK(st.st_mode)) {
+				kl__free(joined);
+				kl__free(out);
+				errno = ELOOP;
+				return NULL;
+			}
 			while (o > 0 && out[o - 1] != '/')
 				o--;
 			if (o > 0)
@@ -128,6 +141,15 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 	if ((norm = normalize(path)) == NULL) {
 		if (errno == ENOMEM)
 			return KL_ENOMEM;
+		if (errno == ELOOP) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: refusing the state "
+				      "directory %s: a symbolic link on the "
+				      "way is followed by \"..\"; name the "
+				      "real directory",
+				      path);
+			return KL_EPROVIDER;
+		}
 		kl__error_set(err, KL_EPROVIDER,
 			      "local provider: cannot resolve the state "
 			      "directory %s: %s",

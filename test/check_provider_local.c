@@ -2888,6 +2888,36 @@ START_TEST(test_secret_replaced)
 }
 END_TEST
 
+/* A ".." after a symbolic link: the kernel would resolve it from the
+ * link's target, the lexical normalization from the link's own place, so
+ * the same text would name two directories to two programs.  Refused
+ * like any link on the way, naming the path. */
+START_TEST(test_open_refuses_dotdot_after_symlink)
+{
+	char x[PATH_MAX], y[PATH_MAX], link[PATH_MAX], uri[PATH_MAX + 32];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	in_parent(x, sizeof x, "x");
+	in_parent(y, sizeof y, "x/y");
+	ck_assert_int_eq(mkdir(x, 0700), 0);
+	ck_assert_int_eq(mkdir(y, 0700), 0);
+	in_parent(link, sizeof link, "lnk");
+	ck_assert_int_eq(symlink(y, link), 0);
+	/* For the kernel, lnk/../state is x/state; lexically, g_dir. */
+	snprintf(uri, sizeof uri, "local:%s/../state", link);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	if (rc == KL_OK)
+		kl_provider_free(p);
+	ck_assert_msg(rc == KL_EPROVIDER, "%s opened", uri);
+	ck_assert_msg(strstr(err.message, link) != NULL, "'%s' lacks %s",
+		      err.message, link);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+}
+END_TEST
+
 /* Ticket liveness must not be guessed from an error: a process out of
  * file descriptors cannot open the holder's ticket file, which does not
  * make the holder dead.  Each count of free descriptors fails a try at
@@ -3167,6 +3197,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_fd_limit_holder_alive);
 	tcase_add_test(tc, test_ticket_looked_at_while_made);
 	tcase_add_test(tc, test_secret_temp_left);
+	tcase_add_test(tc, test_open_refuses_dotdot_after_symlink);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
