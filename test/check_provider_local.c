@@ -2918,6 +2918,77 @@ START_TEST(test_open_refuses_dotdot_after_symlink)
 }
 END_TEST
 
+struct looker {
+	kl_provider *p;
+	const char *key;
+	atomic_bool *stop;
+	long looks;
+	int rc;
+};
+
+static void *
+looker_main(void *arg)
+{
+	struct looker *k = arg;
+	size_t holders, waiters;
+
+	while (!atomic_load(k->stop)) {
+		k->rc = kl_provider_status(k->p, k->key, &holders, &waiters,
+					   NULL);
+		if (k->rc != KL_OK)
+			break;
+		k->looks++;
+	}
+	return NULL;
+}
+
+/* The churn of test_idle_removal_race with status calls on the key all
+ * along, as a monitoring tool would make: they look at ticket files by
+ * name without the queue lock, while the queue file and its ticket
+ * numbers are removed and made again.  Every acquire and status
+ * succeeds; never two holders, fences always growing. */
+START_TEST(test_idle_removal_race_status)
+{
+	enum { N = 4, M = 2 };
+	kl_provider *p = open_dir(g_dir), *q = open_dir(g_dir),
+		    *r = open_dir(g_dir);
+	atomic_int inside = 0, overlaps = 0, backwards = 0;
+	atomic_bool stop = false;
+	_Atomic uint64_t last = 0;
+	struct churn c[N];
+	struct looker k[M];
+	pthread_t th[N], tk[M];
+
+	for (int i = 0; i < M; i++) {
+		k[i] = (struct looker){ r, "lo:churn", &stop, 0, KL_OK };
+		test_thread_start(&tk[i], looker_main, &k[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		c[i] = (struct churn){ i % 2 ? p : q, "lo:churn",
+				       kl_test_scaled(2000, 200), &inside,
+				       &overlaps, &last, &backwards, 0 };
+		test_thread_start(&th[i], churn_main, &c[i]);
+	}
+	for (int i = 0; i < N; i++)
+		test_thread_join(th[i]);
+	atomic_store(&stop, true);
+	for (int i = 0; i < M; i++)
+		test_thread_join(tk[i]);
+	for (int i = 0; i < N; i++)
+		ck_assert_msg(c[i].rc == KL_OK, "thread %d: %s", i,
+			      kl_strerror(c[i].rc));
+	for (int i = 0; i < M; i++)
+		ck_assert_msg(k[i].rc == KL_OK, "status %d: %s", i,
+			      kl_strerror(k[i].rc));
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	ck_assert_int_eq(atomic_load(&backwards), 0);
+	assert_status(p, "lo:churn", 0, 0);
+	kl_provider_free(r);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Ticket liveness must not be guessed from an error: a process out of
  * file descriptors cannot open the holder's ticket file, which does not
  * make the holder dead.  Each count of free descriptors fails a try at
@@ -3198,6 +3269,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_ticket_looked_at_while_made);
 	tcase_add_test(tc, test_secret_temp_left);
 	tcase_add_test(tc, test_open_refuses_dotdot_after_symlink);
+	tcase_add_test(tc, test_idle_removal_race_status);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
