@@ -437,6 +437,19 @@ lost_error(struct local *lp, kl_error *err)
 	return KL_EPROVIDER;
 }
 
+/* Removes name if it is still the file dev/ino: when the directory's
+ * files were removed and made again under a lease, its names lead to
+ * another process's live files. */
+static void
+unlink_own(struct local *lp, const char *name, dev_t dev, ino_t ino)
+{
+	struct stat st;
+
+	if (fstatat(lp->dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	    same_file(&st, dev, ino))
+		unlinkat(lp->dirfd, name, 0);
+}
+
 /* Leaves the queue: removes the ticket, passes the key on when it was
  * ours, and removes the queue file when nobody is left in it.  Queue lock
  * held on entry, released on return; the files are closed. */
@@ -451,7 +464,7 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 	 * steps leaves a ticket without a file, which the next one skips,
 	 * rather than a file nobody would ever remove. */
 	ticket_name(tname, sizeof tname, l->name, l->ticket);
-	unlinkat(lp->dirfd, tname, 0);
+	unlink_own(lp, tname, l->tdev, l->tino);
 	KL_CRASH_POINT("release-unlinked");
 	rc = read_state(lp, l->name, l->qfd, &st, err);
 	if (rc == KL_OK) {
@@ -460,7 +473,7 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 			rc = fail_file(lp, err, "cannot update", l->name,
 				       errno);
 		else if (st.serving == st.next && st.fence < wall_us())
-			unlinkat(lp->dirfd, l->name, 0);
+			unlink_own(lp, l->name, l->qdev, l->qino);
 	}
 	KL_CRASH_POINT("release-advanced");
 	qunlock(l->qfd);

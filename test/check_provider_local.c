@@ -2989,6 +2989,38 @@ START_TEST(test_idle_removal_race_status)
 }
 END_TEST
 
+/* A cleanup removes a held key's files (rm DIR/q*), another process makes
+ * them again and is granted the key: the old holder's lease is lost, and
+ * its release must not touch the new files, which now bear its names. */
+START_TEST(test_files_replaced_release_keeps_new)
+{
+	const char *key = "lo:files-replaced";
+	kl_provider *p = open_dir(g_dir), *q;
+	char qname[64], path[PATH_MAX];
+	struct hold h1, h2, h3;
+
+	take_ok(p, key, 0, &h1);
+	queue_name(qname, sizeof qname, key, strlen(key));
+	in_state(path, sizeof path, qname);
+	ck_assert_int_eq(unlink(path), 0);
+	ck_assert_int_lt(strlen(path) + 2, sizeof path);
+	strcat(path, ".0");
+	ck_assert_int_eq(unlink(path), 0);
+	q = open_dir(g_dir);
+	take_ok(q, key, 0, &h2);
+	ck_assert(!kl_lease_valid(h1.lease));
+	drop(&h1);
+	/* The new holder still holds, for everyone to see. */
+	ck_assert(kl_lease_valid(h2.lease));
+	assert_status(q, key, 1, 0);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h3, NULL), KL_ETIMEDOUT);
+	drop(&h2);
+	assert_status(q, key, 0, 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Ticket liveness must not be guessed from an error: a process out of
  * file descriptors cannot open the holder's ticket file, which does not
  * make the holder dead.  Each count of free descriptors fails a try at
@@ -3270,6 +3302,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_secret_temp_left);
 	tcase_add_test(tc, test_open_refuses_dotdot_after_symlink);
 	tcase_add_test(tc, test_idle_removal_race_status);
+	tcase_add_test(tc, test_files_replaced_release_keeps_new);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
