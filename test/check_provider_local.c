@@ -3021,6 +3021,62 @@ START_TEST(test_files_replaced_release_keeps_new)
 }
 END_TEST
 
+struct opener {
+	const char *dir;
+	atomic_int *go;
+	kl_provider *p;
+	int rc;
+};
+
+static void *
+opener_main(void *arg)
+{
+	struct opener *o = arg;
+	char uri[PATH_MAX + 16];
+
+	snprintf(uri, sizeof uri, "local:%s", o->dir);
+	atomic_fetch_sub(o->go, 1);
+	while (atomic_load(o->go) > 0)
+		sched_yield();
+	o->rc = kl_provider_open(&o->p, uri, NULL);
+	return NULL;
+}
+
+/* Providers opening a directory that does not exist yet, all at once,
+ * make it and one secret between them: each names a key's files as the
+ * others do, so a key held through one is held for all. */
+START_TEST(test_secret_made_at_once)
+{
+	enum { N = 8 };
+	const char *key = "lo:at-once";
+	char dir[PATH_MAX];
+	atomic_int go = N;
+	struct opener o[N];
+	pthread_t th[N];
+	struct hold h, h2;
+
+	in_parent(dir, sizeof dir, "fresh");
+	for (int i = 0; i < N; i++) {
+		o[i] = (struct opener){ dir, &go, NULL, -1 };
+		test_thread_start(&th[i], opener_main, &o[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		test_thread_join(th[i]);
+		ck_assert_msg(o[i].rc == KL_OK, "open %d: %s", i,
+			      kl_strerror(o[i].rc));
+	}
+	take_ok(o[0].p, key, 0, &h);
+	for (int i = 1; i < N; i++)
+		ck_assert_int_eq(take(o[i].p, key, 0, NULL, &h2, NULL),
+				 KL_ETIMEDOUT);
+	drop(&h);
+	/* No temporary file of a loser is left. */
+	ck_assert_int_eq(dir_entries(dir), 0);
+	for (int i = 0; i < N; i++)
+		kl_provider_free(o[i].p);
+}
+END_TEST
+
 /* Ticket liveness must not be guessed from an error: a process out of
  * file descriptors cannot open the holder's ticket file, which does not
  * make the holder dead.  Each count of free descriptors fails a try at
@@ -3303,6 +3359,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_open_refuses_dotdot_after_symlink);
 	tcase_add_test(tc, test_idle_removal_race_status);
 	tcase_add_test(tc, test_files_replaced_release_keeps_new);
+	tcase_add_test(tc, test_secret_made_at_once);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
