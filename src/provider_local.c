@@ -146,6 +146,7 @@ struct local {
 	ino_t ino;
 	uint64_t k0, k1; /* the directory's secret */
 	int sfd;         /* the secret's file, kept open (see lease_lost) */
+	dev_t sdev;
 	ino_t sino;
 	pthread_mutex_t pool_lock;
 	int pool[POOL_MAX]; /* idle inotify descriptors */
@@ -413,7 +414,7 @@ lease_lost(struct local *lp, const struct local_lease *l)
 	 * names the key's files differently there: its grants are not
 	 * ours to see. */
 	if (fstatat(lp->dirfd, KL_LOCAL_SECRET, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
-	    !same_file(&st, lp->dev, lp->sino))
+	    !same_file(&st, lp->sdev, lp->sino))
 		return true;
 	if (fstatat(lp->dirfd, l->name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
 	    !same_file(&st, l->qdev, l->qino))
@@ -897,6 +898,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 		rc = fail(err, KL_EPROVIDER, "cannot stat the secret", errno);
 		goto fail;
 	}
+	lp->sdev = st.st_dev;
 	lp->sino = st.st_ino;
 	if (pthread_mutex_init(&lp->pool_lock, NULL) != 0) {
 		rc = KL_ENOMEM;
