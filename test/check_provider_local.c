@@ -3077,6 +3077,48 @@ START_TEST(test_secret_made_at_once)
 }
 END_TEST
 
+static int
+fds_open(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while (readdir(d) != NULL)
+		n++;
+	closedir(d);
+	return n;
+}
+
+/* Providers keep descriptors (the directory, its secret, a pool of
+ * inotify ones filled by waits) and give every one back when freed. */
+START_TEST(test_no_fd_left)
+{
+	enum { N = 4 };
+	int before = fds_open();
+	kl_provider *p = open_dir(g_dir), *q = open_dir(g_dir);
+	atomic_int inside = 0, overlaps = 0, backwards = 0;
+	_Atomic uint64_t last = 0;
+	struct churn c[N];
+	pthread_t th[N];
+
+	for (int i = 0; i < N; i++) {
+		c[i] = (struct churn){ i % 2 ? p : q, "lo:fds",
+				       kl_test_scaled(300, 50), &inside,
+				       &overlaps, &last, &backwards, 0 };
+		test_thread_start(&th[i], churn_main, &c[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		test_thread_join(th[i]);
+		ck_assert_int_eq(c[i].rc, KL_OK);
+	}
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+	ck_assert_int_eq(fds_open(), before);
+}
+END_TEST
+
 /* Ticket liveness must not be guessed from an error: a process out of
  * file descriptors cannot open the holder's ticket file, which does not
  * make the holder dead.  Each count of free descriptors fails a try at
@@ -3360,6 +3402,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_idle_removal_race_status);
 	tcase_add_test(tc, test_files_replaced_release_keeps_new);
 	tcase_add_test(tc, test_secret_made_at_once);
+	tcase_add_test(tc, test_no_fd_left);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
