@@ -79,7 +79,8 @@ normalize(const char *path)
 			 * that it is no link (an ancestor checked later
 			 * keeps others from making it one). */
 			out[o] = '\0';
-			if (o > 0 && lstat(out, &st) == 0 && S_ISLNK(st.st_mode)) {
+			if (o > 0 && lstat(out, &st) == 0 &&
+			    S_ISLNK(st.st_mode)) {
 				kl__free(joined);
 				kl__free(out);
 				errno = ELOOP;

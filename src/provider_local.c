@@ -413,7 +413,8 @@ lease_lost(struct local *lp, const struct local_lease *l)
 	/* A secret removed (a cleanup) and made again by another process
 	 * names the key's files differently there: its grants are not
 	 * ours to see. */
-	if (fstatat(lp->dirfd, KL_LOCAL_SECRET, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
+	if (fstatat(lp->dirfd, KL_LOCAL_SECRET, &st,
+		    AT_SYMLINK_NOFOLLOW) != 0 ||
 	    !same_file(&st, lp->sdev, lp->sino))
 		return true;
 	if (fstatat(lp->dirfd, l->name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
@@ -895,7 +896,8 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 				   &lp->sfd, err)) != KL_OK)
 		goto fail;
 	if (fstat(lp->sfd, &st) != 0) {
-		rc = fail(err, KL_EPROVIDER, "cannot stat the secret", errno);
+		rc = fail_file(lp, err, "cannot stat", KL_LOCAL_SECRET,
+			       errno);
 		goto fail;
 	}
 	lp->sdev = st.st_dev;
