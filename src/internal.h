@@ -276,11 +276,13 @@ KL_HIDDEN int kl__local_dir_open(const char *path, int *dirfd, char **abs,
  * with err filled when there is none. */
 KL_HIDDEN int kl__local_default_dir(char **out, kl_error *err);
 /* The random secret of the state directory (dirfd, named path in
- * messages) that keys its file names, made when missing. */
+ * messages) that keys its file names, made when missing; *fd gets the
+ * file it was read from, kept open (close it) so that its inode number
+ * cannot be reused by another file while it is compared. */
 #define KL_LOCAL_SECRET "secret"
 #define KL_LOCAL_SECRET_LEN 16
 KL_HIDDEN int kl__local_secret(int dirfd, const char *path, uint64_t *k0,
-			       uint64_t *k1, kl_error *err);
+			       uint64_t *k1, int *fd, kl_error *err);
 
 /* Fills err (may be NULL) with status and a printf-style message. */
 KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)

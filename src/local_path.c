@@ -19,8 +19,8 @@
 #include "config.h"
 
 #include <errno.h>
-#include <stdatomic.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,7 +37,8 @@
 #define ERRTEXT(e) strerror_r((e), errbuf, sizeof errbuf)
 
 /* The absolute, normalized form of path (a fresh string), or NULL (errno
- * set). */
+ * set: ELOOP for a ".." after a symbolic link, which the kernel would
+ * resolve from the link's target, not lexically). */
 static char *
 normalize(const char *path)
 {
@@ -72,6 +73,19 @@ normalize(const char *path)
 		if (n == 0 || (n == 1 && s[0] == '.')) {
 			/* nothing to add */
 		} else if (n == 2 && s[0] == '.' && s[1] == '.') {
+			struct stat st;
+
+			/* The name dropped is never opened, so check here
+			 * that it is no link (an ancestor checked later
+			 * keeps others from making it one). */
+			out[o] = '\0';
+			if (o > 0 && lstat(out, &st) == 0 &&
+			    S_ISLNK(st.st_mode)) {
+				kl__free(joined);
+				kl__free(out);
+				errno = ELOOP;
+				return NULL;
+			}
 			while (o > 0 && out[o - 1] != '/')
 				o--;
 			if (o > 0)
@@ -128,6 +142,15 @@ kl__local_dir_open(const char *path, int *dirfd, char **abs, kl_error *err)
 	if ((norm = normalize(path)) == NULL) {
 		if (errno == ENOMEM)
 			return KL_ENOMEM;
+		if (errno == ELOOP) {
+			kl__error_set(err, KL_EPROVIDER,
+				      "local provider: refusing the state "
+				      "directory %s: a symbolic link on the "
+				      "way is followed by \"..\"; name the "
+				      "real directory",
+				      path);
+			return KL_EPROVIDER;
+		}
 		kl__error_set(err, KL_EPROVIDER,
 			      "local provider: cannot resolve the state "
 			      "directory %s: %s",
@@ -291,10 +314,11 @@ kl__local_default_dir(char **out, kl_error *err)
 }
 
 /* Reads the secret: 16 bytes in a regular file of ours, mode 0600, with
- * one link.  fd < 0 on return: absent (-ENOENT), or refused (-EPERM, err
- * filled). */
+ * one link, left open in *sfd.  fd < 0 on return: absent (-ENOENT), or
+ * refused (-EPERM, err filled). */
 static int
-secret_read(int dirfd, const char *path, unsigned char *key, kl_error *err)
+secret_read(int dirfd, const char *path, unsigned char *key, int *sfd,
+	    kl_error *err)
 {
 	struct stat st;
 	int fd = openat(dirfd, KL_LOCAL_SECRET,
@@ -317,26 +341,30 @@ secret_read(int dirfd, const char *path, unsigned char *key, kl_error *err)
 			      (unsigned long)geteuid());
 		return -EPERM;
 	}
-	close(fd);
+	*sfd = fd;
 	return 0;
 }
 
 /* The directory's secret, made first when there is none: a temporary file
  * made with O_EXCL and renamed into place only if no other process got
- * there first, so that nobody ever reads half a secret. */
+ * there first, so that nobody ever reads half a secret.  The temporary
+ * name is random, not the pid: pids are reused (a process killed before
+ * its rename leaves its name behind) and repeat across the containers
+ * that may share a directory. */
 int
 kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
-		 kl_error *err)
+		 int *sfd, kl_error *err)
 {
 	char errbuf[128];
-	static atomic_uint seq;
-	unsigned char key[KL_LOCAL_SECRET_LEN];
+	/* The secret, then the temporary name's random part. */
+	unsigned char key[KL_LOCAL_SECRET_LEN + 8];
+	uint64_t tag;
 	char tmp[64];
 	ssize_t n;
 	int fd, r;
 
 	for (int tries = 0; tries < 100; tries++) {
-		r = secret_read(dirfd, path, key, err);
+		r = secret_read(dirfd, path, key, sfd, err);
 		if (r == 0) {
 			memcpy(k0, key, 8);
 			memcpy(k1, key + 8, 8);
@@ -357,21 +385,24 @@ kl__local_secret(int dirfd, const char *path, uint64_t *k0, uint64_t *k1,
 				      path, KL_LOCAL_SECRET, ERRTEXT(errno));
 			return KL_EPROVIDER;
 		}
-		snprintf(tmp, sizeof tmp, "%s.%ld.%u", KL_LOCAL_SECRET,
-			 (long)getpid(), atomic_fetch_add(&seq, 1));
+		memcpy(&tag, key + KL_LOCAL_SECRET_LEN, sizeof tag);
+		snprintf(tmp, sizeof tmp, "%s.%016" PRIx64, KL_LOCAL_SECRET,
+			 tag);
 		fd = openat(dirfd, tmp,
 			    O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW |
 				    O_CLOEXEC | O_NOCTTY,
 			    0600);
+		if (fd < 0 && errno == EEXIST)
+			continue;
 		if (fd < 0) {
 			kl__error_set(err, KL_EPROVIDER,
 				      "local provider: cannot create %s/%s: %s",
 				      path, tmp, ERRTEXT(errno));
 			return KL_EPROVIDER;
 		}
-		n = write(fd, key, sizeof key);
+		n = write(fd, key, KL_LOCAL_SECRET_LEN);
 		r = close(fd);
-		if (n != (ssize_t)sizeof key || r != 0 ||
+		if (n != KL_LOCAL_SECRET_LEN || r != 0 ||
 		    (renameat2(dirfd, tmp, dirfd, KL_LOCAL_SECRET,
 			       RENAME_NOREPLACE) != 0 &&
 		     errno != EEXIST)) {

@@ -9,6 +9,9 @@
  * and finds out, at the latest on release, that the path now leads
  * elsewhere (the directory renamed or removed while the key was held:
  * another process may have been granted the key in a fresh directory).
+ * So does a provider whose directory's secret was removed or replaced
+ * (a cleanup of the directory's files): a process opening the directory
+ * afterwards makes a new secret and names the key's files differently.
  * The directory holds a random 16-byte "secret", made once (O_EXCL on a
  * temporary name, then an atomic no-replace rename), that keys the SipHash
  * naming the files: a reader of the directory cannot confirm a guessed key
@@ -142,6 +145,9 @@ struct local {
 	dev_t dev;  /* the directory as opened */
 	ino_t ino;
 	uint64_t k0, k1; /* the directory's secret */
+	int sfd;         /* the secret's file, kept open (see lease_lost) */
+	dev_t sdev;
+	ino_t sino;
 	pthread_mutex_t pool_lock;
 	int pool[POOL_MAX]; /* idle inotify descriptors */
 	int npool;
@@ -333,10 +339,18 @@ ticket_alive(struct local *lp, const char *qname, uint64_t n, bool locked)
 	 * (with the queue lock held, that would hang the key). */
 	fd = openat(lp->dirfd, tname,
 		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+	/* Missing, or a link or socket planted: no owner.  Out of
+	 * descriptors or memory we cannot tell, and skipping a live holder
+	 * would grant the key twice: count it alive, whoever looks next
+	 * tells. */
 	if (fd < 0)
-		return false;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-	    st.st_uid != geteuid()) {
+		return errno == EMFILE || errno == ENFILE || errno == ENOMEM ||
+		       errno == EINTR;
+	if (fstat(fd, &st) != 0) {
+		close(fd);
+		return true;
+	}
+	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
 		/* Not a ticket of ours: no live owner can hold it. */
 		close(fd);
 		if (locked)
@@ -344,9 +358,9 @@ ticket_alive(struct local *lp, const char *qname, uint64_t n, bool locked)
 		return false;
 	}
 	/* Shared when only looking, so that two lookers cannot make a dead
-	 * ticket look alive to each other. */
-	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0 &&
-		errno == EWOULDBLOCK;
+	 * ticket look alive to each other.  A failure other than
+	 * EWOULDBLOCK (ENOLCK) does not tell either: alive. */
+	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0;
 	if (!alive && locked)
 		unlinkat(lp->dirfd, tname, 0);
 	close(fd);
@@ -396,6 +410,13 @@ lease_lost(struct local *lp, const struct local_lease *l)
 
 	if (stat(lp->path, &st) != 0 || !same_file(&st, lp->dev, lp->ino))
 		return true;
+	/* A secret removed (a cleanup) and made again by another process
+	 * names the key's files differently there: its grants are not
+	 * ours to see. */
+	if (fstatat(lp->dirfd, KL_LOCAL_SECRET, &st,
+		    AT_SYMLINK_NOFOLLOW) != 0 ||
+	    !same_file(&st, lp->sdev, lp->sino))
+		return true;
 	if (fstatat(lp->dirfd, l->name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
 	    !same_file(&st, l->qdev, l->qino))
 		return true;
@@ -409,12 +430,26 @@ lost_error(struct local *lp, kl_error *err)
 {
 	kl__error_set(err, KL_EPROVIDER,
 		      "local provider: the state directory %s was removed, "
-		      "renamed or replaced (or its files were) while the key "
+		      "renamed or replaced (or its files were, its secret "
+		      "among them) while the key "
 		      "was held, so another process may have held it too; "
 		      "keep state directories away from tmp cleaners and "
 		      "other users (see kl_provider(3))",
 		      lp->path);
 	return KL_EPROVIDER;
+}
+
+/* Removes name if it is still the file dev/ino: when the directory's
+ * files were removed and made again under a lease, its names lead to
+ * another process's live files. */
+static void
+unlink_own(struct local *lp, const char *name, dev_t dev, ino_t ino)
+{
+	struct stat st;
+
+	if (fstatat(lp->dirfd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+	    same_file(&st, dev, ino))
+		unlinkat(lp->dirfd, name, 0);
 }
 
 /* Leaves the queue: removes the ticket, passes the key on when it was
@@ -431,7 +466,7 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 	 * steps leaves a ticket without a file, which the next one skips,
 	 * rather than a file nobody would ever remove. */
 	ticket_name(tname, sizeof tname, l->name, l->ticket);
-	unlinkat(lp->dirfd, tname, 0);
+	unlink_own(lp, tname, l->tdev, l->tino);
 	KL_CRASH_POINT("release-unlinked");
 	rc = read_state(lp, l->name, l->qfd, &st, err);
 	if (rc == KL_OK) {
@@ -440,7 +475,7 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 			rc = fail_file(lp, err, "cannot update", l->name,
 				       errno);
 		else if (st.serving == st.next && st.fence < wall_us())
-			unlinkat(lp->dirfd, l->name, 0);
+			unlink_own(lp, l->name, l->qdev, l->qino);
 	}
 	KL_CRASH_POINT("release-advanced");
 	qunlock(l->qfd);
@@ -609,9 +644,19 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		goto fail_unlock;
 	}
 	KL_CRASH_POINT("ticket-created");
-	if (flock(l->tfd, LOCK_EX | LOCK_NB) != 0 || fstat(l->tfd, &tst) != 0) {
-		rc = fail_file(lp, err, "cannot take the ticket", tname,
-			       errno);
+	/* Status looks at tickets by name without the queue lock, with a
+	 * shared flock held for a moment: one that read the counters before
+	 * the idle queue file was removed and made again may be looking at
+	 * this new file under its old name.  Wait for it as for the queue
+	 * lock. */
+	rc = qlock(l->tfd, timeout_ms == 0 ? kl__deadline(TRY_GRACE_MS)
+					   : deadline, cancel);
+	if (rc == KL_OK && fstat(l->tfd, &tst) != 0)
+		rc = KL_EPROVIDER;
+	if (rc != KL_OK) {
+		if (rc == KL_EPROVIDER)
+			fail_file(lp, err, "cannot take the ticket", tname,
+				  errno);
 		goto fail_ticket;
 	}
 	l->tdev = tst.st_dev;
@@ -797,6 +842,7 @@ local_destroy(void *impl)
 	for (int i = 0; i < lp->npool; i++)
 		close(lp->pool[i]);
 	pthread_mutex_destroy(&lp->pool_lock);
+	close(lp->sfd);
 	close(lp->dirfd);
 	kl__free(lp->path);
 	kl__free(lp);
@@ -832,6 +878,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 		kl__free(path);
 		return KL_ENOMEM;
 	}
+	lp->sfd = -1;
 	rc = kl__local_dir_open(path, &lp->dirfd, &lp->path, err);
 	kl__free(path);
 	if (rc != KL_OK) {
@@ -846,8 +893,15 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	lp->dev = st.st_dev;
 	lp->ino = st.st_ino;
 	if ((rc = kl__local_secret(lp->dirfd, lp->path, &lp->k0, &lp->k1,
-				   err)) != KL_OK)
+				   &lp->sfd, err)) != KL_OK)
 		goto fail;
+	if (fstat(lp->sfd, &st) != 0) {
+		rc = fail_file(lp, err, "cannot stat", KL_LOCAL_SECRET,
+			       errno);
+		goto fail;
+	}
+	lp->sdev = st.st_dev;
+	lp->sino = st.st_ino;
 	if (pthread_mutex_init(&lp->pool_lock, NULL) != 0) {
 		rc = KL_ENOMEM;
 		goto fail;
@@ -858,6 +912,8 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 	}
 	return KL_OK;
 fail:
+	if (lp->sfd >= 0)
+		close(lp->sfd);
 	close(lp->dirfd);
 	kl__free(lp->path);
 	kl__free(lp);

@@ -50,6 +50,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sched.h>
+#include <sys/file.h>
 #include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
@@ -2848,6 +2849,424 @@ cmp_i64(const void *a, const void *b)
 	return (x > y) - (x < y);
 }
 
+/* ------------------------------------------------------------------ */
+/* Review of the issue 15 rewrite                                       */
+
+/* A cleanup (rm DIR/...) removes the secret while a provider has the
+ * directory open: a provider opened after it makes another secret, which
+ * names the key's queue file differently.  The older provider must not
+ * be granted the key beside the newer one, and a lease it held must be
+ * found lost. */
+START_TEST(test_secret_replaced)
+{
+	const char *key = "lo:secret-gone";
+	kl_provider *p = open_dir(g_dir), *q;
+	char path[PATH_MAX];
+	struct hold h1, h2;
+	kl_error err;
+	int rc;
+
+	take_ok(p, key, 0, &h1);
+	in_state(path, sizeof path, SECRET_NAME);
+	ck_assert_int_eq(unlink(path), 0);
+	q = open_dir(g_dir);
+	take_ok(q, key, 0, &h2);
+	ck_assert_msg(!kl_lease_valid(h1.lease),
+		      "a lease under the old secret still looks valid beside "
+		      "a holder under the new one");
+	drop(&h1);
+	/* Held under the new secret: the old provider must not get it. */
+	rc = take(p, key, 0, NULL, &h1, &err);
+	if (rc == KL_OK)
+		drop(&h1);
+	ck_assert_msg(rc == KL_EPROVIDER, "old provider: %s beside a holder",
+		      kl_strerror(rc));
+	ck_assert_ptr_nonnull(strstr(err.message, g_dir));
+	drop(&h2);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A ".." after a symbolic link: the kernel would resolve it from the
+ * link's target, the lexical normalization from the link's own place, so
+ * the same text would name two directories to two programs.  Refused
+ * like any link on the way, naming the path. */
+START_TEST(test_open_refuses_dotdot_after_symlink)
+{
+	char x[PATH_MAX], y[PATH_MAX], link[PATH_MAX], uri[PATH_MAX + 32];
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	in_parent(x, sizeof x, "x");
+	in_parent(y, sizeof y, "x/y");
+	ck_assert_int_eq(mkdir(x, 0700), 0);
+	ck_assert_int_eq(mkdir(y, 0700), 0);
+	in_parent(link, sizeof link, "lnk");
+	ck_assert_int_eq(symlink(y, link), 0);
+	/* For the kernel, lnk/../state is x/state; lexically, g_dir. */
+	snprintf(uri, sizeof uri, "local:%s/../state", link);
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	if (rc == KL_OK)
+		kl_provider_free(p);
+	ck_assert_msg(rc == KL_EPROVIDER, "%s opened", uri);
+	ck_assert_msg(strstr(err.message, link) != NULL, "'%s' lacks %s",
+		      err.message, link);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+}
+END_TEST
+
+struct looker {
+	kl_provider *p;
+	const char *key;
+	atomic_bool *stop;
+	long looks;
+	int rc;
+};
+
+static void *
+looker_main(void *arg)
+{
+	struct looker *k = arg;
+	size_t holders, waiters;
+
+	while (!atomic_load(k->stop)) {
+		k->rc = kl_provider_status(k->p, k->key, &holders, &waiters,
+					   NULL);
+		if (k->rc != KL_OK)
+			break;
+		k->looks++;
+	}
+	return NULL;
+}
+
+/* The churn of test_idle_removal_race with status calls on the key all
+ * along, as a monitoring tool would make: they look at ticket files by
+ * name without the queue lock, while the queue file and its ticket
+ * numbers are removed and made again.  Every acquire and status
+ * succeeds; never two holders, fences always growing. */
+START_TEST(test_idle_removal_race_status)
+{
+	enum { N = 4, M = 2 };
+	kl_provider *p = open_dir(g_dir), *q = open_dir(g_dir),
+		    *r = open_dir(g_dir);
+	atomic_int inside = 0, overlaps = 0, backwards = 0;
+	atomic_bool stop = false;
+	_Atomic uint64_t last = 0;
+	struct churn c[N];
+	struct looker k[M];
+	pthread_t th[N], tk[M];
+
+	for (int i = 0; i < M; i++) {
+		k[i] = (struct looker){ r, "lo:churn", &stop, 0, KL_OK };
+		test_thread_start(&tk[i], looker_main, &k[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		c[i] = (struct churn){ i % 2 ? p : q, "lo:churn",
+				       kl_test_scaled(2000, 200), &inside,
+				       &overlaps, &last, &backwards, 0 };
+		test_thread_start(&th[i], churn_main, &c[i]);
+	}
+	for (int i = 0; i < N; i++)
+		test_thread_join(th[i]);
+	atomic_store(&stop, true);
+	for (int i = 0; i < M; i++)
+		test_thread_join(tk[i]);
+	for (int i = 0; i < N; i++)
+		ck_assert_msg(c[i].rc == KL_OK, "thread %d: %s", i,
+			      kl_strerror(c[i].rc));
+	for (int i = 0; i < M; i++)
+		ck_assert_msg(k[i].rc == KL_OK, "status %d: %s", i,
+			      kl_strerror(k[i].rc));
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	ck_assert_int_eq(atomic_load(&backwards), 0);
+	assert_status(p, "lo:churn", 0, 0);
+	kl_provider_free(r);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A cleanup removes a held key's files (rm DIR/q*), another process makes
+ * them again and is granted the key: the old holder's lease is lost, and
+ * its release must not touch the new files, which now bear its names. */
+START_TEST(test_files_replaced_release_keeps_new)
+{
+	const char *key = "lo:files-replaced";
+	kl_provider *p = open_dir(g_dir), *q;
+	char qname[64], path[PATH_MAX];
+	struct hold h1, h2, h3;
+
+	take_ok(p, key, 0, &h1);
+	queue_name(qname, sizeof qname, key, strlen(key));
+	in_state(path, sizeof path, qname);
+	ck_assert_int_eq(unlink(path), 0);
+	ck_assert_int_lt(strlen(path) + 2, sizeof path);
+	strcat(path, ".0");
+	ck_assert_int_eq(unlink(path), 0);
+	q = open_dir(g_dir);
+	take_ok(q, key, 0, &h2);
+	ck_assert(!kl_lease_valid(h1.lease));
+	drop(&h1);
+	/* The new holder still holds, for everyone to see. */
+	ck_assert(kl_lease_valid(h2.lease));
+	assert_status(q, key, 1, 0);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h3, NULL), KL_ETIMEDOUT);
+	drop(&h2);
+	assert_status(q, key, 0, 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
+struct opener {
+	const char *dir;
+	atomic_int *go;
+	kl_provider *p;
+	int rc;
+};
+
+static void *
+opener_main(void *arg)
+{
+	struct opener *o = arg;
+	char uri[PATH_MAX + 16];
+
+	snprintf(uri, sizeof uri, "local:%s", o->dir);
+	atomic_fetch_sub(o->go, 1);
+	while (atomic_load(o->go) > 0)
+		sched_yield();
+	o->rc = kl_provider_open(&o->p, uri, NULL);
+	return NULL;
+}
+
+/* Providers opening a directory that does not exist yet, all at once,
+ * make it and one secret between them: each names a key's files as the
+ * others do, so a key held through one is held for all. */
+START_TEST(test_secret_made_at_once)
+{
+	enum { N = 8 };
+	const char *key = "lo:at-once";
+	char dir[PATH_MAX];
+	atomic_int go = N;
+	struct opener o[N];
+	pthread_t th[N];
+	struct hold h, h2;
+
+	in_parent(dir, sizeof dir, "fresh");
+	for (int i = 0; i < N; i++) {
+		o[i] = (struct opener){ dir, &go, NULL, -1 };
+		test_thread_start(&th[i], opener_main, &o[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		test_thread_join(th[i]);
+		ck_assert_msg(o[i].rc == KL_OK, "open %d: %s", i,
+			      kl_strerror(o[i].rc));
+	}
+	take_ok(o[0].p, key, 0, &h);
+	for (int i = 1; i < N; i++)
+		ck_assert_int_eq(take(o[i].p, key, 0, NULL, &h2, NULL),
+				 KL_ETIMEDOUT);
+	drop(&h);
+	/* No temporary file of a loser is left. */
+	ck_assert_int_eq(dir_entries(dir), 0);
+	for (int i = 0; i < N; i++)
+		kl_provider_free(o[i].p);
+}
+END_TEST
+
+static int
+fds_open(void)
+{
+	DIR *d = opendir("/proc/self/fd");
+	int n = 0;
+
+	ck_assert_ptr_nonnull(d);
+	while (readdir(d) != NULL)
+		n++;
+	closedir(d);
+	return n;
+}
+
+/* Providers keep descriptors (the directory, its secret, a pool of
+ * inotify ones filled by waits) and give every one back when freed. */
+START_TEST(test_no_fd_left)
+{
+	enum { N = 4 };
+	int before = fds_open();
+	kl_provider *p = open_dir(g_dir), *q = open_dir(g_dir);
+	atomic_int inside = 0, overlaps = 0, backwards = 0;
+	_Atomic uint64_t last = 0;
+	struct churn c[N];
+	pthread_t th[N];
+
+	for (int i = 0; i < N; i++) {
+		c[i] = (struct churn){ i % 2 ? p : q, "lo:fds",
+				       kl_test_scaled(300, 50), &inside,
+				       &overlaps, &last, &backwards, 0 };
+		test_thread_start(&th[i], churn_main, &c[i]);
+	}
+	for (int i = 0; i < N; i++) {
+		test_thread_join(th[i]);
+		ck_assert_int_eq(c[i].rc, KL_OK);
+	}
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+	ck_assert_int_eq(fds_open(), before);
+}
+END_TEST
+
+/* Ticket liveness must not be guessed from an error: a process out of
+ * file descriptors cannot open the holder's ticket file, which does not
+ * make the holder dead.  Each count of free descriptors fails a try at
+ * some step; none may grant the key beside its holder. */
+START_TEST(test_fd_limit_holder_alive)
+{
+	const char *key = "lo:emfile";
+	kl_provider *p = open_dir(g_dir);
+	struct rlimit old, low;
+	int fds[512], nfds, rc[6], null;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lease *lease;
+	struct hold h;
+	kl_lock *l;
+
+	take_ok(p, key, KL_FOREVER, &h);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(null, 0);
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+	low = old;
+	low.rlim_cur = 256;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	for (int free_fds = 0; free_fds < 6; free_fds++) {
+		nfds = 0;
+		while (nfds < 512 && (fds[nfds] = dup(null)) >= 0)
+			nfds++;
+		ck_assert_int_eq(errno, EMFILE);
+		for (int i = 0; i < free_fds && nfds > 0; i++)
+			close(fds[--nfds]);
+		lease = NULL;
+		rc[free_fds] = kl_lock_acquire(l, NULL, &lease, NULL);
+		while (nfds > 0)
+			close(fds[--nfds]);
+		if (lease != NULL)
+			kl_lease_release(lease);
+	}
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	close(null);
+	for (int i = 0; i < 6; i++)
+		ck_assert_msg(rc[i] != KL_OK,
+			      "granted beside its holder with %d free "
+			      "descriptors", i);
+	ck_assert(kl_lease_valid(h.lease));
+	assert_status(p, key, 1, 0);
+	drop(&h);
+	assert_status(p, key, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* The state letter of process pid in /proc ('S', 'T', 'Z', ...). */
+static char
+proc_state(pid_t pid)
+{
+	char path[64], buf[512], *rp;
+	ssize_t n;
+	int fd;
+
+	snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return '?';
+	n = read(fd, buf, sizeof buf - 1);
+	close(fd);
+	if (n <= 0)
+		return '?';
+	buf[n] = '\0';
+	rp = strrchr(buf, ')');
+	return rp != NULL && rp[1] == ' ' ? rp[2] : '?';
+}
+
+static bool
+not_stopped(void *arg)
+{
+	char c = proc_state(*(pid_t *)arg);
+
+	return c == 'S' || c == 'Z' || c == '?';
+}
+
+/* Status looks at tickets without the queue lock, by name, with a shared
+ * flock.  A status that read the counters before the idle queue file was
+ * removed and made again looks at ticket names the new queue hands out
+ * again from 0, and may hold its shared flock on a ticket file that an
+ * acquirer has just made and not yet flocked.  That must delay the
+ * acquirer, not fail it.  The look is done here by hand, at the moment a
+ * helper stopped at "ticket-created" has made ticket 0. */
+START_TEST(test_ticket_looked_at_while_made)
+{
+	const char *key = "lo:looked";
+	kl_provider *p = open_dir(g_dir);
+	char qname[64], tname[80], path[PATH_MAX];
+	struct helper hs;
+	int status, fd;
+
+	queue_name(qname, sizeof qname, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.0", qname);
+	helper_spawn_env(&hs, "hold", key, NULL, 0, "KL_STOP_AT",
+			 "ticket-created");
+	ck_assert_int_eq(waitpid(hs.pid, &status, WUNTRACED), hs.pid);
+	ck_assert(WIFSTOPPED(status));
+	in_state(path, sizeof path, tname);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+	ck_assert_int_eq(flock(fd, LOCK_SH | LOCK_NB), 0);
+	ck_assert_int_eq(kill(hs.pid, SIGCONT), 0);
+	/* Running again, it either fails at once (exits) or waits for the
+	 * look to end (sleeps). */
+	test_poll(not_stopped, &hs.pid, "the helper to run on");
+	close(fd);
+	helper_granted(&hs);
+	ck_assert_int_eq(write(hs.to, "x\n", 2), 2);
+	helper_exit_ok(&hs);
+	helper_close(&hs);
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A process killed between making the secret's temporary file and
+ * renaming it leaves "secret.PID.N"; a later process with the same pid
+ * (pids are reused, and start from 1 in every container) must still be
+ * able to open the directory. */
+START_TEST(test_secret_temp_left)
+{
+	char path[PATH_MAX], name[64];
+	struct stat st;
+	int fd;
+
+	for (int i = 0; i < 64; i++) {
+		snprintf(name, sizeof name, "%s.%ld.%d", SECRET_NAME,
+			 (long)getpid(), i);
+		in_state(path, sizeof path, name);
+		fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+		ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+		close(fd);
+	}
+	kl_provider_free(open_dir(g_dir));
+	in_state(path, sizeof path, SECRET_NAME);
+	ck_assert_int_eq(lstat(path, &st), 0);
+	ck_assert_int_eq(st.st_size, SECRET_LEN);
+}
+END_TEST
+
 /* Release -> next holder's grant, across two providers (as two processes):
  * the waiter sleeps on inotify and must be handed the key in one wake-up.
  * Prints the percentiles; asserts only that every round was a grant (the
@@ -2972,6 +3391,18 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_idle_keys_leave_nothing);
 	tcase_add_test(tc, test_idle_removal_race);
 	tcase_add_test(tc, test_secret_names);
+
+	/* Found in review of the issue 15 rewrite. */
+	tc = tcase_new(s, "review", 120);
+	tcase_add_test(tc, test_secret_replaced);
+	tcase_add_test(tc, test_fd_limit_holder_alive);
+	tcase_add_test(tc, test_ticket_looked_at_while_made);
+	tcase_add_test(tc, test_secret_temp_left);
+	tcase_add_test(tc, test_open_refuses_dotdot_after_symlink);
+	tcase_add_test(tc, test_idle_removal_race_status);
+	tcase_add_test(tc, test_files_replaced_release_keeps_new);
+	tcase_add_test(tc, test_secret_made_at_once);
+	tcase_add_test(tc, test_no_fd_left);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
