@@ -89,7 +89,6 @@ int kl_bench_provider_main(int argc, char **argv);
 #define IDLE_SLACK_BYTES 65536   /* in-use bytes allowed after all keys go */
 #define NSTRIPES 256
 
-
 /* ------------------------------------------------------------------ */
 /* Options and sizes                                                   */
 
@@ -108,6 +107,10 @@ struct bench_opt {
 };
 extern struct bench_opt opt;
 
+/* ------------------------------------------------------------------ */
+/* Time, spinning and statistics                                      */
+
+/* Tells the CPU this thread spins (the contended workers inline it). */
 static inline void
 cpu_relax(void)
 {
@@ -129,7 +132,6 @@ struct summary {
  * values whose leading bit is e and whose next four bits are s.
  */
 #define HSUB 16
-
 #define HBUCKETS (61 * HSUB)
 
 struct hist {
@@ -138,6 +140,7 @@ struct hist {
 	int64_t max;
 };
 
+/* ------------------------------------------------------------------ */
 /* System call counting                                                */
 
 /*
@@ -238,9 +241,8 @@ struct sysres {
 	uint64_t n;
 };
 
-#define NSYSU 5
-
-#define NSYST 2
+#define NSYSU 5 /* uncontended rows counted */
+#define NSYST 2 /* thread counts counted */
 
 /* ------------------------------------------------------------------ */
 /* Memory: nkeys leases held at once                                   */
@@ -255,8 +257,10 @@ struct bench_mem {
 };
 extern struct bench_mem mem;
 
-#define NTHR 3
+/* ------------------------------------------------------------------ */
+/* Contended workloads and hand-off latency                            */
 
+#define NTHR 3 /* thread counts: thread_counts[] */
 #define NSEC 2 /* 0: empty critical section, 1: real work */
 
 struct crun {
@@ -299,152 +303,105 @@ struct target {
 
 #define MAXTARGETS 16
 
+/* The functions and variables the files share, by file. */
+
 /* harness.c */
 extern bool progress_on;
-void
-progress(const char *what);
+void progress(const char *what);
 void __attribute__((noreturn, format(printf, 1, 2)))
 die(const char *fmt, ...);
-/* die() with an exit status and a part of the program ("provider: "). */
-void __attribute__((noreturn, format(printf, 3, 0)))
-vdie(int status, const char *part, const char *fmt, va_list ap);
-void *
-xcalloc(size_t n, size_t size);
+/* The line die() prints: "keylock-bench: ", part ("provider: "), the
+ * message. */
+void __attribute__((format(printf, 3, 0)))
+vsay(FILE *f, const char *part, const char *fmt, va_list ap);
+void *xcalloc(size_t n, size_t size);
 extern char load_before[48], load_after[48];
-void
-read_load(char *buf, size_t size);
-int64_t
-now_ns(void);
-void
-sleep_ns(int64_t ns);
-void
-wait_int(atomic_int *v, int want);
-void
-wait_true(atomic_bool *v);
-void
-spin_for(int64_t ns);
+void read_load(char *buf, size_t size);
+int64_t now_ns(void);
+void sleep_ns(int64_t ns);
+void wait_int(atomic_int *v, int want);
+void wait_true(atomic_bool *v);
+void spin_for(int64_t ns);
 extern int cpu_list[1024];
 extern int ncpus;
-void
-cpus_init(void);
-void
-pinned_attr(pthread_attr_t *a, int slot);
-void
-pin_self(int slot);
-int
-cmp_double(const void *a, const void *b);
-struct summary
-summarize(const double *v, int n);
-double
-paired_ratio(const double *a, const double *b, int n);
-void
-hist_add(struct hist *h, int64_t v);
-void
-hist_merge(struct hist *into, const struct hist *h);
-double
-hist_pct(const struct hist *h, double q);
-void
-counters_open(struct counters *c);
-void
-counters_close(struct counters *c);
-void
-counters_sample(const struct counters *c, struct csample *s);
-uint64_t
-since(uint64_t before, uint64_t after);
-void
-syscalls_detect(void);
-long long
-rss_bytes(void);
-long long
-heap_in_use(void);
+void cpus_init(void);
+void pinned_attr(pthread_attr_t *a, int slot);
+void pin_self(int slot);
+int cmp_double(const void *a, const void *b);
+struct summary summarize(const double *v, int n);
+double paired_ratio(const double *a, const double *b, int n);
+void hist_add(struct hist *h, int64_t v);
+void hist_merge(struct hist *into, const struct hist *h);
+double hist_pct(const struct hist *h, double q);
+void counters_open(struct counters *c);
+void counters_close(struct counters *c);
+void counters_sample(const struct counters *c, struct csample *s);
+uint64_t since(uint64_t before, uint64_t after);
+void syscalls_detect(void);
+long long rss_bytes(void);
+long long heap_in_use(void);
 
 /* subjects.c */
-void
-fifo_acquire(struct fifo *f);
-void
-fifo_release(struct fifo *f);
-void
-stripes_init(void);
-pthread_mutex_t *
-stripe_of(const char *key);
+void fifo_acquire(struct fifo *f);
+void fifo_release(struct fifo *f);
+void stripes_init(void);
+pthread_mutex_t *stripe_of(const char *key);
 extern const char *const kind_name[NKINDS];
 extern const char *const kind_label[NKINDS];
 extern const char *const kind_color[NKINDS];
 extern struct subject subjects[NKINDS];
-kl_lock *
-new_keyed_lock(kl_provider **prov);
-void
-subjects_init(void);
-void
-subjects_free(void);
-void
-subject_acquire(struct subject *s, const char *key, union hold *h);
-void
-subject_release(struct subject *s, union hold *h);
+kl_lock *new_keyed_lock(kl_provider **prov);
+void subjects_init(void);
+void subjects_free(void);
+void subject_acquire(struct subject *s, const char *key, union hold *h);
+void subject_release(struct subject *s, union hold *h);
 extern char *keybuf;
 extern char hot_key[KEY_STRIDE];
-const char *
-key_at(size_t i);
-void
-keys_build(void);
+const char *key_at(size_t i);
+void keys_build(void);
 
 /* uncontended.c */
 extern double *ures[NUROWS];
-double
-per_op(int64_t t0, long n);
-double
-u_kl_lock(kl_lock *l, size_t first, size_t nk, long n);
-void
-run_uncontended(void);
+double per_op(int64_t t0, long n);
+double u_kl_lock(kl_lock *l, size_t first, size_t nk, long n);
+void run_uncontended(void);
 extern const enum urow sys_urows[];
 extern struct sysres sys_un[NSYSU];
 extern const int sys_threads[];
 extern struct sysres sys_ct[NKINDS][NSYST];
-void
-run_syscalls(void);
+void run_syscalls(void);
 
 /* memory.c */
-void
-run_memory(void);
+void run_memory(void);
 
 /* contended.c */
 extern const int thread_counts[];
 extern const char *const sec_name[NSEC];
-void
-run_contended(struct subject *s, int nthreads, int sec, bool count,
-	      struct hist *into, struct crun *out);
+void run_contended(struct subject *s, int nthreads, int sec, bool count,
+	struct hist *into, struct crun *out);
 extern struct cres cres[NKINDS][NTHR][NSEC];
 extern long total_violations;
 extern uint64_t total_sections;
-void
-run_contended_all(void);
+void run_contended_all(void);
 extern const enum kind hand_kinds[];
 extern const char *const hand_mode[2];
 extern struct hres hres[NHAND][2];
-void
-run_handoff_all(void);
+void run_handoff_all(void);
 
 /* report.c */
 extern const char *const verdict_name[];
 extern struct target targets[MAXTARGETS];
 extern int ntargets;
-void
-target(const char *name, double value, bool at_most, double limit,
-       double stretch, const char *unit);
-void
-evaluate(void);
+void target(const char *name, double value, bool at_most, double limit,
+	double stretch, const char *unit);
+void evaluate(void);
 extern const char *const urow_id[NUROWS];
-const char *
-fmt(char *buf, size_t size, double v);
-void
-print_urow_label(char *buf, size_t size, int r);
-void
-print_table(void);
+const char *fmt(char *buf, size_t size, double v);
+void print_urow_label(char *buf, size_t size, int r);
+void print_table(void);
 
 /* output.c */
-void
-print_json(void);
-int
-write_plot(const char *path);
+void print_json(void);
+int write_plot(const char *path);
 
 #endif

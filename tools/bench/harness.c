@@ -23,16 +23,17 @@ die(const char *fmt, ...)
 	va_list ap;
 
 	va_start(ap, fmt);
-	vdie(EXIT_BROKEN, "", fmt, ap);
+	vsay(stderr, "", fmt, ap);
+	va_end(ap);
+	exit(EXIT_BROKEN);
 }
 
 void
-vdie(int status, const char *part, const char *fmt, va_list ap)
+vsay(FILE *f, const char *part, const char *fmt, va_list ap)
 {
-	fprintf(stderr, "%s: %s", PROG, part);
-	vfprintf(stderr, fmt, ap);
-	fputc('\n', stderr);
-	exit(status);
+	fprintf(f, "%s: %s", PROG, part);
+	vfprintf(f, fmt, ap);
+	fputc('\n', f);
 }
 
 void *

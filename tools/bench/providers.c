@@ -102,7 +102,9 @@ fail(int status, const char *fmt, ...)
 	va_list ap;
 
 	va_start(ap, fmt);
-	vdie(status, "provider: ", fmt, ap);
+	vsay(stderr, "provider: ", fmt, ap);
+	va_end(ap);
+	exit(status);
 }
 
 /* The q-quantile (0..1) of n values, sorted in place (nearest rank). */
