@@ -55,8 +55,25 @@ siphash_cd(int c, int d, uint64_t k0, uint64_t k1, const void *data,
 		v0 ^= m;
 	}
 	b = (uint64_t)len << 56;
-	for (w = 0; w < (len & 7); w++)
-		b |= (uint64_t)p[end + w] << (8 * w);
+	switch (len & 7) {
+	case 7:
+		b |= (uint64_t)p[end + 6] << 48; /* fall through */
+	case 6:
+		b |= (uint64_t)p[end + 5] << 40; /* fall through */
+	case 5:
+		b |= (uint64_t)p[end + 4] << 32; /* fall through */
+	case 4:
+		b |= (uint64_t)p[end + 3] << 24; /* fall through */
+	case 3:
+		b |= (uint64_t)p[end + 2] << 16; /* fall through */
+	case 2:
+		b |= (uint64_t)p[end + 1] << 8; /* fall through */
+	case 1:
+		b |= (uint64_t)p[end];
+		break;
+	default:
+		break;
+	}
 	v3 ^= b;
 	for (i = 0; i < c; i++)
 		SIPROUND;
