@@ -64,7 +64,6 @@
 
 #include "keylock.h"
 
-
 #define PROV_PROG PROG " provider"
 #define EXIT_SKIP 77 /* no raw client for the scheme in this build */
 
@@ -95,7 +94,7 @@ static char server_desc[200];
 /* ------------------------------------------------------------------ */
 /* Small things                                                        */
 
-/* fail() with an exit status: EXIT_BROKEN or EXIT_SKIP. */
+/* die() with an exit status: EXIT_BROKEN or EXIT_SKIP. */
 static void __attribute__((noreturn, format(printf, 2, 3)))
 fail(int status, const char *fmt, ...)
 {
