@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * SipHash-1-3 keyed with a per-process random seed.  Keys come from clients
- * (servers lock by client-supplied ids), so an unkeyed hash would let them
- * pick keys that all land in one bucket; with a secret seed they cannot.
+ * SipHash-1-3 (src/siphash.c) keyed with a per-process random seed.  Keys
+ * come from clients (servers lock by client-supplied ids), so an unkeyed
+ * hash would let them pick keys that all land in one bucket; with a secret
+ * seed they cannot.
  * The seed comes from getrandom(2), read once; if that fails (very old
  * kernel, seccomp) it falls back to /dev/urandom, then to the address space
  * layout and the clock, which is weaker but never fatal.
@@ -68,73 +69,6 @@ kl__test_set_hash_seed(uint64_t k0, uint64_t k1)
 	seed[1] = k1;
 }
 #endif
-
-#define ROTL(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
-
-#define SIPROUND                                                           \
-	do {                                                               \
-		v0 += v1;                                                  \
-		v1 = ROTL(v1, 13);                                         \
-		v1 ^= v0;                                                  \
-		v0 = ROTL(v0, 32);                                         \
-		v2 += v3;                                                  \
-		v3 = ROTL(v3, 16);                                         \
-		v3 ^= v2;                                                  \
-		v0 += v3;                                                  \
-		v3 = ROTL(v3, 21);                                         \
-		v3 ^= v0;                                                  \
-		v2 += v1;                                                  \
-		v1 = ROTL(v1, 17);                                         \
-		v1 ^= v2;                                                  \
-		v2 = ROTL(v2, 32);                                         \
-	} while (0)
-
-uint64_t
-kl__siphash(uint64_t k0, uint64_t k1, const void *data, size_t len)
-{
-	const unsigned char *p = data;
-	const unsigned char *end = p + (len & ~(size_t)7);
-	uint64_t v0, v1, v2, v3, m, b;
-
-	v0 = k0 ^ 0x736f6d6570736575ULL;
-	v1 = k1 ^ 0x646f72616e646f6dULL;
-	v2 = k0 ^ 0x6c7967656e657261ULL;
-	v3 = k1 ^ 0x7465646279746573ULL;
-	for (; p != end; p += 8) {
-		m = kl__load_le64(p);
-		v3 ^= m;
-		SIPROUND;
-		v0 ^= m;
-	}
-	b = (uint64_t)len << 56;
-	switch (len & 7) {
-	case 7:
-		b |= (uint64_t)p[6] << 48; /* fall through */
-	case 6:
-		b |= (uint64_t)p[5] << 40; /* fall through */
-	case 5:
-		b |= (uint64_t)p[4] << 32; /* fall through */
-	case 4:
-		b |= (uint64_t)p[3] << 24; /* fall through */
-	case 3:
-		b |= (uint64_t)p[2] << 16; /* fall through */
-	case 2:
-		b |= (uint64_t)p[1] << 8; /* fall through */
-	case 1:
-		b |= (uint64_t)p[0];
-		break;
-	default:
-		break;
-	}
-	v3 ^= b;
-	SIPROUND;
-	v0 ^= b;
-	v2 ^= 0xff;
-	SIPROUND;
-	SIPROUND;
-	SIPROUND;
-	return v0 ^ v1 ^ v2 ^ v3;
-}
 
 uint64_t
 kl__hash(const void *data, size_t len)

@@ -23,6 +23,8 @@
 
 #define KL_HIDDEN __attribute__((visibility("hidden")))
 
+#include "siphash.h"
+
 /* ------------------------------------------------------------------ */
 /* Allocation: every allocation of the library goes through these, so the
  * test build (-DKL_TEST_HOOKS) can fail the k-th one. */
@@ -248,10 +250,7 @@ KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
 /* The seed of kl__hash, for a table that keeps a copy: kl__siphash with it
  * is kl__hash without the once-check on every call. */
 KL_HIDDEN void kl__hash_seed(uint64_t *k0, uint64_t *k1);
-/* SipHash-1-3 with an explicit key, for names that other processes must
- * compute alike (the local provider's file names). */
-KL_HIDDEN uint64_t kl__siphash(uint64_t k0, uint64_t k1, const void *data,
-			       size_t len);
+/* kl__siphash (SipHash-1-3 with an explicit key) is in siphash.h. */
 
 /* ------------------------------------------------------------------ */
 /* provider.c: a provider is an ops table over an implementation. */

@@ -73,6 +73,7 @@
 #include "keylock.h"
 #include "keylock/pg.h"
 #include "pg_fence.h"
+#include "siphash.h"
 
 #define DEFAULT_POOL 8
 #define MAX_POOL 1024
@@ -253,76 +254,13 @@ thread_id(void)
 /* Key ids: SipHash-2-4 (Aumasson and Bernstein), fixed key             */
 
 /*
- * Not a duplicate of src/hash.c, and it must stay here.  hash.c is
- * SipHash-1-3 under a per-process random seed (kl__hash, for the tables of
- * one process); this is SipHash-2-4 under a fixed public key, and its
- * output is an interface: kl_pg_key_id must give the same lock id in every
- * process, host and version (test_key_id_stable pins it), so it cannot
- * follow changes to the table hash.  Nor could it call it: libkeylock
- * exports only kl_* (src/libkeylock.map), so kl__siphash is hidden from
- * this library, and exporting it would add an internal symbol to the ABI.
+ * The output is an interface: kl_pg_key_id must give the same lock id in
+ * every process, host and version (test_key_id_stable and test/check_siphash
+ * pin it), so it is SipHash-2-4 under a fixed public key, never the table
+ * hash (SipHash-1-3 under a per-process seed).  The one SipHash of the tree
+ * (src/siphash.c) is linked into this library from src/libklcommon.la and
+ * stays hidden in it.
  */
-
-#define ROTL(x, b) (((x) << (b)) | ((x) >> (64 - (b))))
-#define SIPROUND                                                           \
-	do {                                                               \
-		v0 += v1;                                                  \
-		v1 = ROTL(v1, 13);                                         \
-		v1 ^= v0;                                                  \
-		v0 = ROTL(v0, 32);                                         \
-		v2 += v3;                                                  \
-		v3 = ROTL(v3, 16);                                         \
-		v3 ^= v2;                                                  \
-		v0 += v3;                                                  \
-		v3 = ROTL(v3, 21);                                         \
-		v3 ^= v0;                                                  \
-		v2 += v1;                                                  \
-		v1 = ROTL(v1, 17);                                         \
-		v1 ^= v2;                                                  \
-		v2 = ROTL(v2, 32);                                         \
-	} while (0)
-
-/* Byte by byte, so that hosts of either byte order agree. */
-static uint64_t
-load_le64(const unsigned char *b)
-{
-	uint64_t v = 0;
-
-	for (int i = 7; i >= 0; i--)
-		v = v << 8 | b[i];
-	return v;
-}
-
-static uint64_t
-siphash24(uint64_t k0, uint64_t k1, const unsigned char *m, size_t len)
-{
-	uint64_t v0 = 0x736f6d6570736575ULL ^ k0;
-	uint64_t v1 = 0x646f72616e646f6dULL ^ k1;
-	uint64_t v2 = 0x6c7967656e657261ULL ^ k0;
-	uint64_t v3 = 0x7465646279746573ULL ^ k1;
-	uint64_t b = (uint64_t)len << 56, w;
-	size_t i, end = len & ~(size_t)7;
-
-	for (i = 0; i < end; i += 8) {
-		w = load_le64(m + i);
-		v3 ^= w;
-		SIPROUND;
-		SIPROUND;
-		v0 ^= w;
-	}
-	for (i = 0; i < (len & 7); i++)
-		b |= (uint64_t)m[end + i] << (8 * i);
-	v3 ^= b;
-	SIPROUND;
-	SIPROUND;
-	v0 ^= b;
-	v2 ^= 0xff;
-	SIPROUND;
-	SIPROUND;
-	SIPROUND;
-	SIPROUND;
-	return v0 ^ v1 ^ v2 ^ v3;
-}
 
 int64_t
 kl_pg_key_id(const char *key, size_t len)
@@ -332,7 +270,7 @@ kl_pg_key_id(const char *key, size_t len)
 
 	if (key == NULL)
 		len = 0;
-	h = siphash24(ID_K0, ID_K1, (const unsigned char *)key, len);
+	h = kl__siphash24(ID_K0, ID_K1, key, len);
 	/* Two's complement, spelled out: converting a uint64_t above
 	 * INT64_MAX to int64_t is implementation-defined. */
 	memcpy(&id, &h, sizeof id);
@@ -342,7 +280,7 @@ kl_pg_key_id(const char *key, size_t len)
 static uint64_t
 key_check(const char *key, size_t len)
 {
-	return siphash24(CHECK_K0, CHECK_K1, (const unsigned char *)key, len);
+	return kl__siphash24(CHECK_K0, CHECK_K1, key, len);
 }
 
 /* ------------------------------------------------------------------ */

@@ -34,11 +34,7 @@
  * library with dlopen.  Single-threaded apart from the
  * providers' own threads.
  */
-#include "config.h"
-
-#ifndef _GNU_SOURCE
-#define _GNU_SOURCE 1
-#endif
+#include "bench.h"
 
 #include <dlfcn.h>
 #include <errno.h>
@@ -68,11 +64,7 @@
 
 #include "keylock.h"
 
-#define PROG "keylock-bench provider"
-
-#define EXIT_MISS 1   /* --strict and a target was missed */
-#define EXIT_BROKEN 2 /* a call failed or mutual exclusion broke */
-#define EXIT_USAGE 64
+#define PROV_PROG PROG " provider"
 #define EXIT_SKIP 77 /* no raw client for the scheme in this build */
 
 #define TTL_MS 10000
@@ -84,8 +76,6 @@
 
 extern char **environ;
 
-int kl_bench_provider_main(int argc, char **argv);
-
 enum scheme { S_REDIS, S_PG };
 
 static struct {
@@ -93,7 +83,7 @@ static struct {
 	bool json, quick, strict;
 	int ops, runs, rounds;
 	const char *child; /* "kl" or "poll": the waiter process */
-} opt;
+} popt;
 
 static enum scheme scheme;
 static const char *scheme_name;
@@ -104,44 +94,16 @@ static char server_desc[200];
 /* ------------------------------------------------------------------ */
 /* Small things                                                        */
 
-static int64_t
-now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-static void
-sleep_ns(int64_t ns)
-{
-	struct timespec ts = { .tv_sec = ns / 1000000000,
-			       .tv_nsec = ns % 1000000000 };
-
-	while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
-		;
-}
-
+/* die() with an exit status: EXIT_BROKEN or EXIT_SKIP. */
 static void __attribute__((noreturn, format(printf, 2, 3)))
-die(int status, const char *fmt, ...)
+fail(int status, const char *fmt, ...)
 {
 	va_list ap;
 
-	fputs("keylock-bench: provider: ", stderr);
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	vsay(stderr, "provider: ", fmt, ap);
 	va_end(ap);
-	fputc('\n', stderr);
 	exit(status);
-}
-
-static int
-cmp_double(const void *a, const void *b)
-{
-	double x = *(const double *)a, y = *(const double *)b;
-
-	return x < y ? -1 : x > y;
 }
 
 /* The q-quantile (0..1) of n values, sorted in place (nearest rank). */
@@ -210,7 +172,7 @@ load_symbol(void *h, const char *lib, const char *name)
 	void *f = dlsym(h, name);
 
 	if (f == NULL)
-		die(EXIT_BROKEN, "%s and its dependencies have no %s", lib,
+		fail(EXIT_BROKEN, "%s and its dependencies have no %s", lib,
 		    name);
 	return f;
 }
@@ -236,7 +198,7 @@ raw_load(void)
 	if (h == NULL)
 		h = dlopen(lib, RTLD_NOW | RTLD_LOCAL);
 	if (h == NULL)
-		die(EXIT_BROKEN, "the raw %s client needs %s: %s", scheme_name,
+		fail(EXIT_BROKEN, "the raw %s client needs %s: %s", scheme_name,
 		    lib, dlerror());
 #ifdef KL_BENCH_HIREDIS
 	if (scheme == S_REDIS) {
@@ -316,7 +278,7 @@ redis_open(struct raw *r, const char *uri)
 		db = (int)strtol(end + 1, NULL, 10);
 	r->redis = raw_fn.redisConnectWithTimeout(host, port, tv);
 	if (r->redis == NULL || r->redis->err)
-		die(EXIT_BROKEN,
+		fail(EXIT_BROKEN,
 		    "raw redis client: cannot connect to %s:%d: %s", host, port,
 		    r->redis != NULL ? r->redis->errstr : "no memory");
 	if (pass[0] != '\0') {
@@ -326,16 +288,16 @@ redis_open(struct raw *r, const char *uri)
 		else
 			rep = raw_fn.redisCommand(r->redis, "AUTH %s", pass);
 		if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
-			die(EXIT_BROKEN, "raw redis client: AUTH refused");
+			fail(EXIT_BROKEN, "raw redis client: AUTH refused");
 		raw_fn.freeReplyObject(rep);
 	}
 	rep = raw_fn.redisCommand(r->redis, "SELECT %d", db);
 	if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
-		die(EXIT_BROKEN, "raw redis client: SELECT %d refused", db);
+		fail(EXIT_BROKEN, "raw redis client: SELECT %d refused", db);
 	raw_fn.freeReplyObject(rep);
 #else
 	(void)r;
-	die(EXIT_SKIP, "no hiredis in this build (%s)", uri);
+	fail(EXIT_SKIP, "no hiredis in this build (%s)", uri);
 #endif
 }
 
@@ -350,7 +312,7 @@ pg_open(struct raw *r, const char *uri)
 	size_t len;
 
 	if (u == NULL)
-		die(EXIT_BROKEN, "out of memory");
+		fail(EXIT_BROKEN, "out of memory");
 	q = strchr(u, '?');
 	for (p = q != NULL ? q + 1 : NULL; p != NULL && *p != '\0'; p = next) {
 		bool drop = false;
@@ -373,11 +335,11 @@ pg_open(struct raw *r, const char *uri)
 		snprintf(r->err, sizeof r->err, "%s",
 			 raw_fn.PQerrorMessage(r->pg));
 		r->err[strcspn(r->err, "\n")] = '\0';
-		die(EXIT_BROKEN, "raw postgresql client: %s", r->err);
+		fail(EXIT_BROKEN, "raw postgresql client: %s", r->err);
 	}
 #else
 	(void)r;
-	die(EXIT_SKIP, "no libpq in this build (%s)", uri);
+	fail(EXIT_SKIP, "no libpq in this build (%s)", uri);
 #endif
 }
 
@@ -398,14 +360,14 @@ pg_bool(struct raw *r, const char *fn, const char *key)
 		snprintf(r->err, sizeof r->err, "%s",
 			 raw_fn.PQresultErrorMessage(res));
 		r->err[strcspn(r->err, "\n")] = '\0';
-		die(EXIT_BROKEN, "raw %s failed: %s", fn, r->err);
+		fail(EXIT_BROKEN, "raw %s failed: %s", fn, r->err);
 	}
 	v = raw_fn.PQgetvalue(res, 0, 0)[0] == 't';
 	raw_fn.PQclear(res);
 	return v;
 #else
 	(void)r;
-	die(EXIT_SKIP, "no libpq in this build (%s %" PRId64 " for %s)", fn,
+	fail(EXIT_SKIP, "no libpq in this build (%s %" PRId64 " for %s)", fn,
 	    id, key);
 #endif
 }
@@ -420,14 +382,14 @@ redis_set_nx(struct raw *r, const char *key, const char *token)
 	bool got;
 
 	if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
-		die(EXIT_BROKEN, "raw SET NX failed: %s",
+		fail(EXIT_BROKEN, "raw SET NX failed: %s",
 		    rep != NULL ? rep->str : r->redis->errstr);
 	got = rep->type == REDIS_REPLY_STATUS;
 	raw_fn.freeReplyObject(rep);
 	return got;
 #else
 	(void)r;
-	die(EXIT_SKIP, "no hiredis in this build (%s %s)", key, token);
+	fail(EXIT_SKIP, "no hiredis in this build (%s %s)", key, token);
 #endif
 }
 
@@ -441,14 +403,14 @@ redis_cad(struct raw *r, const char *key, const char *token)
 	bool ok;
 
 	if (rep == NULL || rep->type == REDIS_REPLY_ERROR)
-		die(EXIT_BROKEN, "raw EVAL failed: %s",
+		fail(EXIT_BROKEN, "raw EVAL failed: %s",
 		    rep != NULL ? rep->str : r->redis->errstr);
 	ok = rep->type == REDIS_REPLY_INTEGER && rep->integer == 1;
 	raw_fn.freeReplyObject(rep);
 	return ok;
 #else
 	(void)r;
-	die(EXIT_SKIP, "no hiredis in this build (%s %s)", key, token);
+	fail(EXIT_SKIP, "no hiredis in this build (%s %s)", key, token);
 #endif
 }
 
@@ -497,7 +459,7 @@ raw_unlock(struct raw *r, const char *key, const char *token)
 	else
 		ok = pg_bool(r, "pg_advisory_unlock", key);
 	if (!ok)
-		die(EXIT_BROKEN, "raw unlock: '%s' was not held", key);
+		fail(EXIT_BROKEN, "raw unlock: '%s' was not held", key);
 }
 
 /* ------------------------------------------------------------------ */
@@ -511,9 +473,9 @@ kl_open(void)
 	int rc;
 
 	memset(&err, 0, sizeof err);
-	rc = kl_provider_open(&p, opt.uri, &err);
+	rc = kl_provider_open(&p, popt.uri, &err);
 	if (rc != KL_OK)
-		die(EXIT_BROKEN, "kl_provider_open: %s: %s", kl_strerror(rc),
+		fail(EXIT_BROKEN, "kl_provider_open: %s: %s", kl_strerror(rc),
 		    err.message);
 	return p;
 }
@@ -528,7 +490,7 @@ kl_lock_for(kl_provider *p, int64_t timeout_ms)
 	o.timeout_ms = timeout_ms;
 	o.ttl_ms = TTL_MS;
 	if (kl_lock_new(&l, &o) != KL_OK)
-		die(EXIT_BROKEN, "kl_lock_new failed");
+		fail(EXIT_BROKEN, "kl_lock_new failed");
 	return l;
 }
 
@@ -543,7 +505,7 @@ kl_take(kl_lock *l, const char *key)
 	memset(&err, 0, sizeof err);
 	rc = kl_lock_acquire(l, &call, &lease, &err);
 	if (rc != KL_OK)
-		die(EXIT_BROKEN, "kl_lock_acquire '%s': %s: %s", key,
+		fail(EXIT_BROKEN, "kl_lock_acquire '%s': %s: %s", key,
 		    kl_strerror(rc), err.message);
 	return lease;
 }
@@ -567,7 +529,7 @@ measure(int what, kl_lock *l, struct raw *r)
 	int64_t t0 = now_ns(), t;
 
 	snprintf(token, sizeof token, "tok-%d", (int)getpid());
-	for (int i = 0; i < opt.ops; i++) {
+	for (int i = 0; i < popt.ops; i++) {
 		if (what == T_KL_ONE || what == T_RAW_ONE)
 			snprintf(key, sizeof key, "kl-bench/one/%d/%d",
 				 (int)getpid(), what);
@@ -578,19 +540,19 @@ measure(int what, kl_lock *l, struct raw *r)
 			kl_lease_release(kl_take(l, key));
 		} else {
 			if (!raw_try(r, key, token))
-				die(EXIT_BROKEN, "raw try: '%s' is held", key);
+				fail(EXIT_BROKEN, "raw try: '%s' is held", key);
 			raw_unlock(r, key, token);
 		}
 	}
 	t = now_ns() - t0;
-	return t > 0 ? opt.ops * 1e9 / (double)t : 0;
+	return t > 0 ? popt.ops * 1e9 / (double)t : 0;
 }
 
 /* Where figure t of repetition run goes in run_throughput's array. */
 static size_t
 at(int t, int run)
 {
-	return (size_t)t * (size_t)opt.runs + (size_t)run;
+	return (size_t)t * (size_t)popt.runs + (size_t)run;
 }
 
 /* Fills server_desc (PostgreSQL only). */
@@ -626,18 +588,18 @@ describe_server(struct raw *r)
 static void
 run_throughput(kl_provider *p)
 {
-	double *v = calloc((size_t)opt.runs * (T_N + 2), sizeof *v);
+	double *v = calloc((size_t)popt.runs * (T_N + 2), sizeof *v);
 	kl_lock *l = kl_lock_for(p, TTL_MS);
 	struct raw r;
 
 	if (v == NULL)
-		die(EXIT_BROKEN, "out of memory");
-	raw_open(&r, opt.uri);
+		fail(EXIT_BROKEN, "out of memory");
+	raw_open(&r, popt.uri);
 	describe_server(&r);
 	/* Connections made and scripts cached before the first figure. */
 	measure(T_KL_ONE, l, &r);
 	measure(T_RAW_ONE, l, &r);
-	for (int run = 0; run < opt.runs; run++) {
+	for (int run = 0; run < popt.runs; run++) {
 		double x[T_N];
 
 		/* Every other repetition in reverse order: neither side
@@ -651,15 +613,15 @@ run_throughput(kl_provider *p)
 		v[at(T_N, run)] = x[T_KL_ONE] / x[T_RAW_ONE];
 		v[at(T_N + 1, run)] = x[T_KL_MANY] / x[T_RAW_MANY];
 		if (isatty(STDERR_FILENO))
-			fprintf(stderr, "\r%s: run %d/%d", PROG, run + 1,
-				opt.runs);
+			fprintf(stderr, "\r%s: run %d/%d", PROV_PROG, run + 1,
+				popt.runs);
 	}
 	if (isatty(STDERR_FILENO))
 		fputc('\n', stderr);
 	for (int t = 0; t < T_N; t++)
-		rate[t] = quantile(v + at(t, 0), opt.runs, 0.5);
-	ratio_one = quantile(v + at(T_N, 0), opt.runs, 0.5);
-	ratio_many = quantile(v + at(T_N + 1, 0), opt.runs, 0.5);
+		rate[t] = quantile(v + at(t, 0), popt.runs, 0.5);
+	ratio_one = quantile(v + at(T_N, 0), popt.runs, 0.5);
+	ratio_many = quantile(v + at(T_N + 1, 0), popt.runs, 0.5);
 	raw_close(&r);
 	kl_lock_free(l);
 	free(v);
@@ -679,11 +641,11 @@ child_start(struct child *c, const char *mode)
 	posix_spawn_file_actions_t fa;
 	char *argv[] = { (char *)"keylock-bench", (char *)"provider",
 			 (char *)"--child", (char *)mode, (char *)"--uri",
-			 (char *)opt.uri, NULL };
+			 (char *)popt.uri, NULL };
 	int in[2], out[2], rc;
 
 	if (pipe2(in, O_CLOEXEC) != 0 || pipe2(out, O_CLOEXEC) != 0)
-		die(EXIT_BROKEN, "pipe: %s", strerror(errno));
+		fail(EXIT_BROKEN, "pipe: %s", strerror(errno));
 	posix_spawn_file_actions_init(&fa);
 	posix_spawn_file_actions_adddup2(&fa, in[0], 0);
 	posix_spawn_file_actions_adddup2(&fa, out[1], 1);
@@ -692,7 +654,7 @@ child_start(struct child *c, const char *mode)
 	close(in[0]);
 	close(out[1]);
 	if (rc != 0)
-		die(EXIT_BROKEN, "cannot start the waiter process: %s",
+		fail(EXIT_BROKEN, "cannot start the waiter process: %s",
 		    strerror(rc));
 	c->to = in[1];
 	c->from = out[0];
@@ -712,7 +674,7 @@ child_line(struct child *c, char *buf, size_t size)
 		int64_t left = (limit - now_ns()) / 1000000;
 
 		if (left <= 0)
-			die(EXIT_BROKEN, "the waiter process did not answer "
+			fail(EXIT_BROKEN, "the waiter process did not answer "
 					 "within %d ms", LINE_LIMIT_MS);
 		if (poll(&pfd, 1, (int)left) <= 0)
 			continue;
@@ -720,7 +682,7 @@ child_line(struct child *c, char *buf, size_t size)
 		if (got < 0 && errno == EINTR)
 			continue;
 		if (got <= 0)
-			die(EXIT_BROKEN, "the waiter process ended");
+			fail(EXIT_BROKEN, "the waiter process ended");
 		if (ch == '\n')
 			break;
 		if (n + 1 < size)
@@ -728,7 +690,7 @@ child_line(struct child *c, char *buf, size_t size)
 	}
 	buf[n] = '\0';
 	if (buf[0] == 'E')
-		die(EXIT_BROKEN, "waiter process: %s", buf + 1);
+		fail(EXIT_BROKEN, "waiter process: %s", buf + 1);
 }
 
 static void
@@ -737,7 +699,7 @@ child_say(struct child *c, const char *line)
 	size_t len = strlen(line);
 
 	if (write(c->to, line, len) != (ssize_t)len)
-		die(EXIT_BROKEN, "write to the waiter: %s", strerror(errno));
+		fail(EXIT_BROKEN, "write to the waiter: %s", strerror(errno));
 }
 
 static void
@@ -749,7 +711,7 @@ child_end(struct child *c)
 	close(c->from);
 	if (waitpid(c->pid, &status, 0) != c->pid || !WIFEXITED(status) ||
 	    WEXITSTATUS(status) != 0)
-		die(EXIT_BROKEN, "the waiter process failed (status 0x%x)",
+		fail(EXIT_BROKEN, "the waiter process failed (status 0x%x)",
 		    (unsigned)status);
 }
 
@@ -773,7 +735,7 @@ wait_queued(kl_provider *p, const char *key)
 		if (w > 0)
 			return;
 		if (now_ns() > limit)
-			die(EXIT_BROKEN, "the waiter never queued on '%s'",
+			fail(EXIT_BROKEN, "the waiter never queued on '%s'",
 			    key);
 		sleep_ns(200000);
 	}
@@ -782,7 +744,7 @@ wait_queued(kl_provider *p, const char *key)
 static void
 run_latency(kl_provider *p, int which)
 {
-	double *v = calloc((size_t)opt.rounds, sizeof *v);
+	double *v = calloc((size_t)popt.rounds, sizeof *v);
 	kl_lock *l = kl_lock_for(p, TTL_MS);
 	unsigned seed = (unsigned)getpid() * 2654435761u;
 	char key[96], line[128], token[48];
@@ -790,13 +752,13 @@ run_latency(kl_provider *p, int which)
 	struct raw r;
 
 	if (v == NULL)
-		die(EXIT_BROKEN, "out of memory");
+		fail(EXIT_BROKEN, "out of memory");
 	snprintf(token, sizeof token, "holder-%d", (int)getpid());
 	if (which == 1)
-		raw_open(&r, opt.uri);
+		raw_open(&r, popt.uri);
 	child_start(&c, which == 0 ? "kl" : "poll");
 	child_line(&c, line, sizeof line); /* ready */
-	for (int i = 0; i < opt.rounds; i++) {
+	for (int i = 0; i < popt.rounds; i++) {
 		kl_lease *lease = NULL;
 		int64_t t0, granted;
 		char *end;
@@ -806,7 +768,7 @@ run_latency(kl_provider *p, int which)
 		if (which == 0)
 			lease = kl_take(l, key);
 		else if (!raw_try(&r, key, token))
-			die(EXIT_BROKEN, "raw try: '%s' is held", key);
+			fail(EXIT_BROKEN, "raw try: '%s' is held", key);
 		snprintf(line, sizeof line, "W %s\n", key);
 		child_say(&c, line);
 		if (which == 0)
@@ -825,7 +787,7 @@ run_latency(kl_provider *p, int which)
 		errno = 0;
 		granted = strtoll(line + 1, &end, 10);
 		if (line[0] != 'G' || errno != 0 || end == line + 1)
-			die(EXIT_BROKEN, "waiter process said '%s'", line);
+			fail(EXIT_BROKEN, "waiter process said '%s'", line);
 		if (granted < t0)
 			violations++;
 		v[i] = (double)(granted - t0) / 1e6;
@@ -833,8 +795,8 @@ run_latency(kl_provider *p, int which)
 	child_end(&c);
 	if (which == 1)
 		raw_close(&r);
-	lat_p50[which] = quantile(v, opt.rounds, 0.5);
-	lat_p99[which] = quantile(v, opt.rounds, 0.99);
+	lat_p50[which] = quantile(v, popt.rounds, 0.5);
+	lat_p99[which] = quantile(v, popt.rounds, 0.99);
 	kl_lock_free(l);
 	free(v);
 }
@@ -846,7 +808,7 @@ run_latency(kl_provider *p, int which)
 static int
 child_main(void)
 {
-	bool poll_mode = strcmp(opt.child, "poll") == 0;
+	bool poll_mode = strcmp(popt.child, "poll") == 0;
 	char line[256], token[48];
 	kl_provider *p = NULL;
 	kl_lock *l = NULL;
@@ -855,7 +817,7 @@ child_main(void)
 	setvbuf(stdout, NULL, _IOLBF, 0);
 	snprintf(token, sizeof token, "waiter-%d", (int)getpid());
 	if (poll_mode) {
-		raw_open(&r, opt.uri);
+		raw_open(&r, popt.uri);
 	} else {
 		p = kl_open();
 		l = kl_lock_for(p, LINE_LIMIT_MS);
@@ -905,19 +867,19 @@ child_main(void)
 static const char *
 verdict(bool pass)
 {
-	return opt.quick ? "not judged (--quick)" : pass ? "PASS" : "MISS";
+	return popt.quick ? "not judged (--quick)" : pass ? "PASS" : "MISS";
 }
 
 static void
-print_text(void)
+print_provider_text(void)
 {
-	printf("%s: %s (%s)\n", PROG, opt.uri, scheme_name);
+	printf("%s: %s (%s)\n", PROV_PROG, popt.uri, scheme_name);
 	if (server_desc[0] != '\0')
 		printf("server: %s\n", server_desc);
 	printf("\n");
 	printf("Acquire+release round trips per second (median of %d runs "
 	       "of %d):\n",
-	       opt.runs, opt.ops);
+	       popt.runs, popt.ops);
 	for (int t = 0; t < T_N; t++)
 		printf("  %-26s %10.0f\n", t_names[t], rate[t]);
 	printf("  raw is %s\n", scheme == S_REDIS
@@ -930,7 +892,7 @@ print_text(void)
 	printf("  ratio, distinct keys     %6.2fx  target >= %.1fx  %s\n\n",
 	       ratio_many, target_ratio, verdict(ratio_many >= target_ratio));
 	printf("Release to grant in another process (%d rounds), ms:\n",
-	       opt.rounds);
+	       popt.rounds);
 	printf("  %-26s p50 %7.3f  p99 %7.3f\n", "keylock (notification)",
 	       lat_p50[0], lat_p99[0]);
 	printf("  %-26s p50 %7.3f  p99 %7.3f\n", "polling every 10 ms",
@@ -941,12 +903,12 @@ print_text(void)
 }
 
 static void
-print_json(void)
+print_provider_json(void)
 {
 	printf("{\"scheme\":\"%s\",\"server\":\"%s\",\"quick\":%s,"
 	       "\"runs\":%d,\"ops\":%d,\"rounds\":%d,",
-	       scheme_name, server_desc, opt.quick ? "true" : "false", opt.runs,
-	       opt.ops, opt.rounds);
+	       scheme_name, server_desc, popt.quick ? "true" : "false", popt.runs,
+	       popt.ops, popt.rounds);
 	printf("\"ops_per_s\":{\"keylock_one_key\":%.0f,"
 	       "\"keylock_distinct_keys\":%.0f,\"raw_one_key\":%.0f,"
 	       "\"raw_distinct_keys\":%.0f},",
@@ -1014,7 +976,7 @@ parse_count(const char *s, const char *name)
 			"%s: invalid %s '%s' (1 to 10000000)\nTry "
 			"'keylock-bench provider --help' for more "
 			"information.\n",
-			PROG, name, s);
+			PROV_PROG, name, s);
 		exit(EXIT_USAGE);
 	}
 	return (int)v;
@@ -1026,7 +988,7 @@ usage_error(const char *what)
 	fprintf(stderr,
 		"%s: %s\nTry 'keylock-bench provider --help' for more "
 		"information.\n",
-		PROG, what);
+		PROV_PROG, what);
 	exit(EXIT_USAGE);
 }
 
@@ -1054,13 +1016,13 @@ kl_bench_provider_main(int argc, char **argv)
 				NULL)) != -1) {
 		switch (c) {
 		case 'u':
-			opt.uri = optarg;
+			popt.uri = optarg;
 			break;
 		case 'q':
-			opt.quick = true;
+			popt.quick = true;
 			break;
 		case 'j':
-			opt.json = true;
+			popt.json = true;
 			break;
 		case 'r':
 			runs = parse_count(optarg, "run count");
@@ -1072,10 +1034,10 @@ kl_bench_provider_main(int argc, char **argv)
 			rounds = parse_count(optarg, "round count");
 			break;
 		case 's':
-			opt.strict = true;
+			popt.strict = true;
 			break;
 		case 'C':
-			opt.child = optarg;
+			popt.child = optarg;
 			break;
 		case 'h':
 			usage();
@@ -1086,38 +1048,38 @@ kl_bench_provider_main(int argc, char **argv)
 			return EXIT_USAGE;
 		}
 	}
-	opt.runs = runs > 0 ? runs : opt.quick ? 1 : 5;
-	opt.ops = ops > 0 ? ops : opt.quick ? 50 : 2000;
-	opt.rounds = rounds > 0 ? rounds : opt.quick ? 5 : 100;
+	popt.runs = runs > 0 ? runs : popt.quick ? 1 : 5;
+	popt.ops = ops > 0 ? ops : popt.quick ? 50 : 2000;
+	popt.rounds = rounds > 0 ? rounds : popt.quick ? 5 : 100;
 	if (optind < argc)
 		usage_error("unexpected argument");
-	if (opt.uri == NULL)
+	if (popt.uri == NULL)
 		usage_error("--uri is required");
-	if (strncmp(opt.uri, "redis://", 8) == 0) {
+	if (strncmp(popt.uri, "redis://", 8) == 0) {
 		scheme = S_REDIS;
 		scheme_name = "redis";
 #ifndef KL_BENCH_HIREDIS
 		fprintf(stderr, "%s: skipped: this keylock-bench was built "
 				"without hiredis (configure --with-redis)\n",
-			PROG);
+			PROV_PROG);
 		return EXIT_SKIP;
 #endif
-	} else if (strncmp(opt.uri, "postgresql://", 13) == 0 ||
-		   strncmp(opt.uri, "postgres://", 11) == 0) {
+	} else if (strncmp(popt.uri, "postgresql://", 13) == 0 ||
+		   strncmp(popt.uri, "postgres://", 11) == 0) {
 		scheme = S_PG;
 		scheme_name = "postgresql";
 		target_ratio = TARGET_RATIO_PG;
 #ifndef KL_BENCH_LIBPQ
 		fprintf(stderr, "%s: skipped: this keylock-bench was built "
 				"without libpq (configure --with-postgresql)\n",
-			PROG);
+			PROV_PROG);
 		return EXIT_SKIP;
 #endif
 	} else {
 		usage_error("the URI must start with redis:// or "
 			    "postgresql://");
 	}
-	if (opt.child != NULL)
+	if (popt.child != NULL)
 		return child_main();
 	signal(SIGPIPE, SIG_IGN);
 	p = kl_open();
@@ -1125,20 +1087,20 @@ kl_bench_provider_main(int argc, char **argv)
 	run_latency(p, 0);
 	run_latency(p, 1);
 	kl_provider_free(p);
-	if (opt.json)
-		print_json();
+	if (popt.json)
+		print_provider_json();
 	else
-		print_text();
+		print_provider_text();
 	fflush(stdout);
 	if (violations != 0) {
 		fprintf(stderr, "%s: mutual exclusion broke: %ld grants "
 				"before the release\n",
-			PROG, violations);
+			PROV_PROG, violations);
 		return EXIT_BROKEN;
 	}
 	missed = ratio_one < target_ratio || ratio_many < target_ratio ||
 		 lat_p50[0] >= TARGET_P50_MS;
-	if (opt.strict && missed && !opt.quick)
+	if (popt.strict && missed && !popt.quick)
 		return EXIT_MISS;
 	return EXIT_SUCCESS;
 }
