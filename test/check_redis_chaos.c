@@ -1418,6 +1418,69 @@ START_TEST(test_wiped_durable_server_guarded)
 }
 END_TEST
 
+/* A server started durable whose AOF is turned off at runtime (CONFIG SET
+ * appendonly no), then killed and started again with its configuration
+ * file: it reloads the AOF, which lacks every write since the CONFIG SET,
+ * the grant of the old holder included. */
+START_TEST(test_aof_off_at_runtime)
+{
+	struct test_events eva, evb;
+	kl_provider *a, *b;
+	kl_lock *la, *lb;
+	kl_lease *held, *lease;
+	kl_error err;
+	redisContext *c;
+	const char *off[4] = { "CONFIG", "SET", "appendonly", "no" };
+	uint64_t fa;
+	bool old_valid;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], true));
+	a = open_port(g_srv[0].port, "ao:", "ttl=5s");
+	fails_assert();
+	la = lock_make(a, "k", 20000, 0, &eva);
+	for (int i = 0; i < 3; i++) {
+		rc = grab_patiently(la, &held, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		if (i < 2)
+			kl_lease_release(held);
+	}
+	kl_lease_release(held);
+	c = connect_port(g_srv[0].port, 2000);
+	ck_assert(c != NULL);
+	freeReplyObject(cmd(c, 4, off));
+	redisFree(c);
+	for (int i = 0; i < 3; i++) {
+		rc = grab(la, &held, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		if (i < 2)
+			kl_lease_release(held);
+	}
+	fa = kl_lease_fence(held);
+	srv_kill(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	b = open_port(g_srv[0].port, "ao:", "ttl=5s");
+	fails_assert();
+	lb = lock_make(b, "k", 20000, 0, &evb);
+	rc = grab(lb, &lease, &err);
+	old_valid = kl_lease_valid(held);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_msg(kl_lease_fence(lease) > fa,
+		      "fence %" PRIu64 " after the restart, %" PRIu64
+		      " before it", kl_lease_fence(lease), fa);
+	ck_assert_msg(!old_valid, "granted while the old holder's lease "
+		      "was still valid");
+	kl_lease_release(lease);
+	kl_lease_release(held);
+	kl_lock_free(la);
+	kl_lock_free(lb);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
 /* Two ttls: the guard after a restart covers the longest any client
  * uses, not the ttl of the client that asks.  The ttl record survives in
  * a snapshot for a client that never saw it; after a wipe, a client
@@ -2798,6 +2861,7 @@ redis_chaos_suite(void)
 	tcase_add_test(tc, test_wiped_durable_server_guarded);
 	tcase_add_test(tc, test_fresh_server_waits);
 	tcase_add_test(tc, test_guard_covers_longest_ttl);
+	tcase_add_test(tc, test_aof_off_at_runtime);
 
 	tc = tcase_new(s, "T22", 300);
 	tcase_add_test(tc, test_t22_pause);
