@@ -166,7 +166,9 @@ kl__pg_fence_init(struct kl__pg_fence *f, const char *value, size_t len)
 		     "'pg_catalog.int8'::pg_catalog.regtype AND "
 		     "q.seqincrement > 0 AND q.seqcache = 1 AND NOT q.seqcycle "
 		     "AND q.seqmax >= 4611686018427387904) THEN 4 "
-		     "ELSE 0 END FROM pg_catalog.pg_class c "
+		     "ELSE 0 END, (EXTRACT(epoch FROM "
+		     "pg_catalog.clock_timestamp()) * 1000000)::bigint "
+		     "FROM pg_catalog.pg_class c "
 		     "JOIN pg_catalog.pg_namespace s ON s.oid = c.relnamespace "
 		     "WHERE s.nspname = %s AND c.relname = %s",
 		     schema_lit, rel_lit);

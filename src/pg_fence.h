@@ -21,8 +21,8 @@ struct kl__pg_fence {
 	/* Statements, each ending in "; ", that start a session: taken
 	 * once per session before its first draw. */
 	char floor[1400];
-	/* One row, one int column: a KL__PG_FENCE_* code; no row: the
-	 * sequence does not exist. */
+	/* One row: a KL__PG_FENCE_* code and the server's clock in
+	 * microseconds; no row: the sequence does not exist. */
 	char check[1600];
 };
 

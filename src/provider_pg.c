@@ -172,6 +172,11 @@ struct pg {
 	struct conn *aux;
 
 	struct kl__pg_fence fence;
+	/* The server's clock in microseconds when the sequence was checked:
+	 * every session floors the sequence at its clock before its first
+	 * draw, later, so a fence below this comes from a sequence dropped
+	 * and created again, or set back, behind a session's floor. */
+	int64_t fence_min;
 	/* What a new session runs, once, in front of its first STMT_TRY. */
 	char setup_sql[4096];
 };
@@ -968,6 +973,17 @@ lock_answer(struct pg *p, struct conn *c, int rc, const struct answer *a,
 		unlock_all(p, c);
 		return fail(p, err, KL_ECANCELED, NULL);
 	}
+	if (a->val[0] < p->fence_min) {
+		/* Closing the session drops the key; the next session
+		 * floors the sequence again. */
+		c->broken = true;
+		return fail(p, err, KL_EPROVIDER,
+			    "the fence sequence %s went back to %" PRId64
+			    ", below the server's clock when the provider "
+			    "opened (was it dropped and created again, or set "
+			    "back?); the key was not granted",
+			    p->fence.name, a->val[0]);
+	}
 	*fence = (uint64_t)a->val[0];
 	return KL_OK;
 }
@@ -1718,8 +1734,10 @@ ensure_sequence(struct pg *p, kl_error *err)
 	for (int tries = 0;; tries++) {
 		if ((rc = aux_run(p, p->fence.check, true, &a, err)) != KL_OK)
 			return rc;
-		if (a.nvals >= 1 && !a.null[0] && a.val[0] == KL__PG_FENCE_OK)
+		if (a.nvals >= 2 && !a.null[0] && a.val[0] == KL__PG_FENCE_OK) {
+			p->fence_min = a.null[1] ? 0 : a.val[1];
 			return KL_OK;
+		}
 		if (a.nvals >= 1)
 			return fail(p, err, KL_EPROVIDER,
 				    "the fence sequence %s %s", p->fence.name,

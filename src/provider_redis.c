@@ -304,13 +304,16 @@ static int64_t cmd_deadline(const struct redis *r, int64_t wait_deadline,
  * new run to keep every write too, or a run started without AOF could
  * have loaded an older snapshot that holds an old durable marker.  So the
  * decision rests on what the old run was and what the new one loaded,
- * never on how the new run is configured alone.  The script also raises
+ * never on how the new run is configured alone.  A durable restart keeps
+ * the old run's start while its guard may hold (by the ttl record, our
+ * ttl and our guard): locks it lacked are still missing, and their
+ * holders may never have met that run.  The script also raises
  * the ttl record, PREFIX "maxttl", to our longest ttl: a holder's renewal
  * thread connecting to a restarted server raises it again at once.
  *
  * KEYS: marker, ttl record.  ARGV: run_id, "1" when this run keeps every
  * write, its uptime in ms (a lower bound), our longest ttl, ms to keep the
- * record.  Returns {start, record}.
+ * record, our restart guard in ms.  Returns {start, record}.
  */
 static const char script_mark[] =
 	"local t = redis.call('TIME')\n"
@@ -327,7 +330,12 @@ static const char script_mark[] =
 	"  start = tonumber(g[3] or '1')\n"
 	"  if g[2] ~= '1' then dur = '0' end\n"
 	"elseif g[1] and g[1] ~= '?' and g[2] == '1' and dur == '1' then\n"
-	"  start = 0\n"
+	"  start = tonumber(g[3] or '0')\n"
+	"  local need = tonumber(redis.call('GET', KEYS[2]) or '0')\n"
+	"  for _, v in ipairs({ARGV[4], ARGV[6]}) do\n"
+	"    if need < tonumber(v) then need = tonumber(v) end\n"
+	"  end\n"
+	"  if start + need <= now then start = 0 end\n"
 	"else\n"
 	"  if g[1] == '?' and tonumber(g[3] or '0') > start then\n"
 	"    start = tonumber(g[3])\n"
@@ -354,11 +362,12 @@ static int
 mark_server(struct redis *r, struct kl__rconn *c, int64_t cap_ns,
 	    kl_error *err)
 {
-	char up[24], ttl[24], keep[24];
-	const char *argv[10] = { "EVAL", script_mark, "2", r->gkey[0],
+	char up[24], ttl[24], keep[24], guard[24];
+	const char *argv[11] = { "EVAL", script_mark, "2", r->gkey[0],
 				 r->gkey[1], c->run_id,
-				 c->persistent ? "1" : "0", up, ttl, keep };
-	size_t lens[10] = { 4, sizeof script_mark - 1, 1, r->gkey_len[0],
+				 c->persistent ? "1" : "0", up, ttl, keep,
+				 guard };
+	size_t lens[11] = { 4, sizeof script_mark - 1, 1, r->gkey_len[0],
 			    r->gkey_len[1], strlen(c->run_id), 1 };
 	redisReply *rep;
 	int64_t deadline = cmd_deadline(r, KL_R_NO_DEADLINE, 0);
@@ -369,10 +378,15 @@ mark_server(struct redis *r, struct kl__rconn *c, int64_t cap_ns,
 		deadline = cap_ns;
 	pthread_mutex_lock(&r->mu);
 	lens[8] = num(ttl, sizeof ttl, r->max_ttl_ms);
+	lens[10] = num(guard, sizeof guard,
+		       r->conf.restart_guard_ms != KL_R_GUARD_AUTO
+			       ? r->conf.restart_guard_ms
+		       : r->seen_ttl_ms > r->max_ttl_ms ? r->seen_ttl_ms
+							 : r->max_ttl_ms);
 	pthread_mutex_unlock(&r->mu);
 	lens[7] = num(up, sizeof up, kl__rconn_uptime_ms(c));
 	lens[9] = num(keep, sizeof keep, FENCE_KEEP_MS);
-	rc = kl__rconn_command(c, deadline, 10, argv, lens, &rep, err);
+	rc = kl__rconn_command(c, deadline, 11, argv, lens, &rep, err);
 	if (rc != KL_OK)
 		return rc;
 	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||

@@ -1396,6 +1396,43 @@ START_TEST(test_roles_share_one_fence_sequence)
 }
 END_TEST
 
+/* A fence sequence dropped and created again while sessions that floored
+ * the old one stay open: their next draw, 1, is below every fence before.
+ * The provider refuses it (the session goes, and the key with it), and
+ * the next session floors the new sequence. */
+START_TEST(test_sequence_recreated_at_runtime)
+{
+	kl_provider *p;
+	const char *key = new_key("recreated");
+	struct hold h;
+	kl_error err;
+	uint64_t f1;
+	int rc;
+
+	exec_ok(g_admin, "DROP SEQUENCE IF EXISTS public.kl_recreated");
+	p = open_pg("fence_sequence=public.kl_recreated&pool=1");
+	take_ok(p, key, &h);
+	f1 = kl_lease_fence(h.lease);
+	drop(&h);
+	exec_ok(g_admin, "DROP SEQUENCE public.kl_recreated");
+	exec_ok(g_admin, "CREATE SEQUENCE public.kl_recreated");
+	rc = take(p, key, WAIT_BOUND_MS, NULL, &h, &err);
+	ck_assert_msg(rc != KL_OK || kl_lease_fence(h.lease) > f1,
+		      "fence %" PRIu64 " after %" PRIu64,
+		      kl_lease_fence(h.lease), f1);
+	ck_assert_int_eq(rc, KL_EPROVIDER);
+	ck_assert_msg(strstr(err.message, "went back") != NULL, "%s",
+		      err.message);
+	/* The backend ends soon after its connection closes. */
+	wait_server_locks(key, 0, 0);
+	take_ok(p, key, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), f1);
+	drop(&h);
+	kl_provider_free(p);
+	exec_ok(g_admin, "DROP SEQUENCE public.kl_recreated");
+}
+END_TEST
+
 /*
  * A fence costs no WAL flush of its own (issue 16, item 10): 1280 grants
  * draw 40 WAL-logged sequence advances, and a commit that waited for each
@@ -2092,6 +2129,7 @@ provider_pg_suite(void)
 	tcase_add_checked_fixture(tc, setup, teardown);
 	tcase_set_timeout(tc, 120);
 	tcase_add_test(tc, test_roles_share_one_fence_sequence);
+	tcase_add_test(tc, test_sequence_recreated_at_runtime);
 	tcase_add_test(tc, test_fence_needs_no_wal_flush);
 	suite_add_tcase(s, tc);
 

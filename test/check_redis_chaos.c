@@ -1418,6 +1418,123 @@ START_TEST(test_wiped_durable_server_guarded)
 }
 END_TEST
 
+/* A server started durable whose AOF is turned off at runtime (CONFIG SET
+ * appendonly no), then killed and started again with its configuration
+ * file, reloads an AOF that lacks every write since the CONFIG SET, the
+ * old holder's grant included, and whose restart marker says that the
+ * old run kept every write: the marker cannot see a runtime change.
+ * kl_redis_provider_open(3) has the operator mark the run as not
+ * durable first (HSET PREFIXguard dur 0, while the AOF still keeps it);
+ * then the restart is guarded and fenced as one that lost data. */
+START_TEST(test_aof_off_at_runtime_marked)
+{
+	struct test_events eva, evb;
+	kl_provider *a, *b;
+	kl_lock *la, *lb;
+	kl_lease *held, *lease;
+	kl_error err;
+	redisContext *c;
+	const char *mark[4] = { "HSET", "ao:guard", "dur", "0" };
+	const char *off[4] = { "CONFIG", "SET", "appendonly", "no" };
+	uint64_t fa;
+	bool old_valid;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], true));
+	a = open_port(g_srv[0].port, "ao:", "ttl=3s");
+	fails_assert();
+	la = lock_make(a, "k", 20000, 0, &eva);
+	for (int i = 0; i < 3; i++) {
+		rc = grab_patiently(la, &held, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		kl_lease_release(held);
+	}
+	c = connect_port(g_srv[0].port, 2000);
+	ck_assert(c != NULL);
+	ck_assert_int_ge(cmd_int(c, 4, mark), 0);
+	freeReplyObject(cmd(c, 4, off));
+	redisFree(c);
+	fails_assert();
+	for (int i = 0; i < 3; i++) {
+		rc = grab(la, &held, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		if (i < 2)
+			kl_lease_release(held);
+	}
+	fa = kl_lease_fence(held);
+	srv_kill(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	b = open_port(g_srv[0].port, "ao:", "ttl=3s");
+	fails_assert();
+	lb = lock_make(b, "k", 20000, 0, &evb);
+	rc = grab(lb, &lease, &err);
+	old_valid = kl_lease_valid(held);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_msg(kl_lease_fence(lease) > fa,
+		      "fence %" PRIu64 " after the restart, %" PRIu64
+		      " before it",
+		      kl_lease_fence(lease), fa);
+	ck_assert_msg(!old_valid, "granted while the old holder's lease "
+				  "was still valid");
+	kl_lease_release(lease);
+	kl_lease_release(held);
+	kl_lock_free(la);
+	kl_lock_free(lb);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
+/* A durable server that lost its data (a wiped folder) runs briefly and
+ * is killed; the next run loads that run's complete AOF, whose marker says
+ * that it kept every write.  The locks lost with the wipe are missing
+ * still, and the old holder may never have met the run between: the
+ * guard of the loss goes on, rather than ending at the durable restart. */
+START_TEST(test_durable_restart_keeps_guard)
+{
+	struct test_events eva, evb;
+	kl_provider *a, *b, *m;
+	kl_lock *la, *lb;
+	kl_lease *held, *lease = NULL;
+	kl_error err;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], true));
+	/* ttl 30 s: the holder renews every 10 s, after the runs below. */
+	a = open_port(g_srv[0].port, "dg:", "restart_guard=0&ttl=30s");
+	fails_assert();
+	la = lock_make(a, "k", 20000, 0, &eva);
+	rc = grab(la, &held, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	srv_kill(&g_srv[0]);
+	srv_wipe(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	/* The run between: a client marks it, and it dies. */
+	m = open_port(g_srv[0].port, "dg:", "ttl=1s");
+	fails_assert();
+	kl_provider_free(m);
+	srv_kill(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	/* The record went with the wipe: a guard as the man page asks. */
+	b = open_port(g_srv[0].port, "dg:", "ttl=1s&restart_guard=30s");
+	fails_assert();
+	lb = lock_make(b, "k", 2000, 0, &evb);
+	rc = grab(lb, &lease, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT,
+		      "%s: %s (the old holder's lease is %s)",
+		      kl_strerror(rc), err.message,
+		      kl_lease_valid(held) ? "valid" : "lost");
+	ck_assert_ptr_nonnull(strstr(err.message, "restart_guard"));
+	kl_lease_release(held);
+	kl_lock_free(la);
+	kl_lock_free(lb);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
 /* Two ttls: the guard after a restart covers the longest any client
  * uses, not the ttl of the client that asks.  The ttl record survives in
  * a snapshot for a client that never saw it; after a wipe, a client
@@ -2798,6 +2915,8 @@ redis_chaos_suite(void)
 	tcase_add_test(tc, test_wiped_durable_server_guarded);
 	tcase_add_test(tc, test_fresh_server_waits);
 	tcase_add_test(tc, test_guard_covers_longest_ttl);
+	tcase_add_test(tc, test_aof_off_at_runtime_marked);
+	tcase_add_test(tc, test_durable_restart_keeps_guard);
 
 	tc = tcase_new(s, "T22", 300);
 	tcase_add_test(tc, test_t22_pause);
