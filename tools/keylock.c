@@ -578,7 +578,7 @@ static struct {
  * kill(2) calls come back to back, so the second copy is only delivered
  * apart (not merged by the kernel) if sig_main took the first one in
  * between, and then it is taken again as soon as sig_main has forwarded
- * the first: the gap is keylock's own work plus whatever time the
+ * the first.  The gap is keylock's own work plus whatever time the
  * scheduler takes from it: milliseconds, tens of them on a loaded machine.
  * 250 ms leaves room for that and is still shorter than a person or a
  * supervisor takes to send a signal again on purpose; and two copies of a

@@ -35,7 +35,8 @@ main(int argc, char **argv)
 	if ((argc != 4 && argc != 5) || number(argv[1], &sig) != 0 ||
 	    number(argv[2], &first) != 0 || number(argv[3], &second) != 0 ||
 	    (argc == 5 && (number(argv[4], &delay) != 0 || delay < 0))) {
-		fprintf(stderr, "usage: sig_twice SIG FIRST SECOND [DELAY_MS]\n");
+		fputs("usage: sig_twice SIG FIRST SECOND [DELAY_MS]\n",
+		      stderr);
 		return 99;
 	}
 	if (kill((pid_t)first, (int)sig) != 0) {
