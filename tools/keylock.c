@@ -7,7 +7,7 @@
  * Threads and signals.  Every signal that can be caught (but SIGCHLD and
  * SIGCONT) is blocked in main() before anything else runs, so every thread
  * the library may start inherits the mask, and one thread (sig_main) takes
- * them with sigwait: no signal can end keylock, and so release the key,
+ * them with sigwaitinfo: no signal can end keylock, and so release the key,
  * while the command runs.  What it does with a signal depends on the phase,
  * which it reads under sigs.mu:
  *   WAIT  the lock is being acquired: a signal that would end a process
@@ -16,7 +16,8 @@
  *         128+N); a stop signal stops keylock; the others are ignored;
  *   IDLE  acquired, no command yet: the same, except that the key is
  *         released instead of the queue left;
- *   RUN   it sends the signal to the command's process group;
+ *   RUN   it sends the signal to the command's process group, but not
+ *         a copy that the same sender sent twice in a row (is_echo);
  *   DONE  the command has exited: nothing changes the exit status any more.
  * The command runs in a process group of its own, so that a signal sent to
  * keylock's group reaches it once, through keylock, rather than once
@@ -54,6 +55,7 @@
 #include <sys/resource.h>
 #include <sys/types.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "keylock.h"
@@ -560,7 +562,29 @@ static struct {
 	bool tty;
 	int pending;       /* first signal before the command ran, or 0 */
 	bool chld_ignored; /* SIGCHLD was ignored: so it is for the command */
+	/* By signal number, who sent the copy last forwarded, and when: see
+	 * is_echo.  Used by sig_main alone. */
+	struct sent {
+		bool valid;
+		pid_t pid;
+		uid_t uid;
+		struct timespec at;
+	} sent[NSIG];
 } sigs = { .mu = PTHREAD_MUTEX_INITIALIZER };
+
+/* A second copy of a signal from the same sender within this window is
+ * one signal sent twice, not two signals.  timeout(1) sends its signal to
+ * keylock and then at once to keylock's group, which holds keylock: both
+ * kill(2) calls come back to back, so the second copy is only delivered
+ * apart (not merged by the kernel) if sig_main took the first one in
+ * between, and then it is taken again as soon as sig_main has forwarded
+ * the first.  The gap is keylock's own work plus whatever time the
+ * scheduler takes from it: milliseconds, tens of them on a loaded machine.
+ * 250 ms leaves room for that and is still shorter than a person or a
+ * supervisor takes to send a signal again on purpose; and two copies of a
+ * signal sent closer than that never were sure to arrive twice, since
+ * the kernel merges those still pending. */
+#define ECHO_WINDOW_NS 250000000LL
 
 /* What a signal does by default, for the phases without a command. */
 enum sig_default { SD_TERMINATE, SD_IGNORE, SD_STOP };
@@ -605,16 +629,51 @@ forward(pid_t child, int sig)
 		kill(child, sig);
 }
 
+/* Whether info, taken at now, repeats the copy of the same signal that the
+ * same process sent last and keylock forwarded less than ECHO_WINDOW_NS
+ * before, such as timeout(1)'s copy sent to keylock's group after the one
+ * sent to keylock; if not, it is recorded as the last one forwarded.  Only
+ * signals sent with kill(2) or sigqueue(3) can be echoes: those the kernel
+ * sends (a hangup, SIGWINCH, a terminal's Ctrl-C) come once per event.
+ * SIGCONT never is: an extra one does nothing to a running command, but a
+ * dropped one could leave it stopped for good. */
+static bool
+is_echo(const siginfo_t *info, const struct timespec *now)
+{
+	struct sent *last = &sigs.sent[info->si_signo];
+	long long ns;
+
+	if (info->si_signo == SIGCONT ||
+	    (info->si_code != SI_USER && info->si_code != SI_QUEUE))
+		return false;
+	if (last->valid && last->pid == info->si_pid &&
+	    last->uid == info->si_uid) {
+		ns = (long long)(now->tv_sec - last->at.tv_sec) * 1000000000LL +
+		     (now->tv_nsec - last->at.tv_nsec);
+		if (ns >= 0 && ns < ECHO_WINDOW_NS)
+			return true;
+	}
+	last->valid = true;
+	last->pid = info->si_pid;
+	last->uid = info->si_uid;
+	last->at = *now;
+	return false;
+}
+
 static void *
 sig_main(void *arg)
 {
 	enum sig_default sd;
+	struct timespec now;
+	siginfo_t info;
 	int sig;
 
 	(void)arg;
 	for (;;) {
-		while (sigwait(&sigs.set, &sig) != 0)
+		while ((sig = sigwaitinfo(&sigs.set, &info)) < 0)
 			;
+		/* At once: the window is measured between two takes. */
+		clock_gettime(CLOCK_MONOTONIC, &now);
 		sd = sig_default(sig);
 		pthread_mutex_lock(&sigs.mu);
 		switch (sigs.phase) {
@@ -648,6 +707,8 @@ sig_main(void *arg)
 					close(fd);
 				}
 			}
+			if (is_echo(&info, &now))
+				break;
 			forward(sigs.child, sig);
 			break;
 		case PHASE_DONE:
