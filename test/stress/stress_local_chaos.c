@@ -33,7 +33,13 @@
  *   a key nobody holds or waits for leaves no file behind); before that,
  *   nothing but queue and ticket files.
  *
- * KL_TEST_SCALE scales the rounds and the operations per thread.
+ * Every other round is cut short by killing all its helpers at once, so
+ * that the next round starts from whatever state they left.
+ * kl_provider_status calls are mixed in (they take shared flocks on
+ * ticket files that acquirers then wait for).
+ *
+ * KL_TEST_SCALE scales the rounds and the operations per thread; the
+ * default run takes about 20 s on a loaded 2-core machine.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -205,6 +211,17 @@ child_thread(void *arg)
 			record(c->lfd, "F %d %ld %d kl_lock_new\n", k, id, rc);
 			continue;
 		}
+		if (st_below(&rng, 8) == 0) {
+			size_t h, w;
+
+			/* Status looks at tickets with shared flocks, which
+			 * acquirers then wait for. */
+			if ((rc = kl_provider_status(p, key, &h, &w, &err)) !=
+				    KL_OK ||
+			    h > 1)
+				record(c->lfd, "F %d %ld %d status %zu %s\n", k,
+				       id, rc, h, rc ? err.message : "");
+		}
 		t0 = mono_ns();
 		rc = kl_lock_acquire(l, NULL, &lease, &err);
 		t1 = mono_ns();
@@ -328,7 +345,7 @@ struct kill_rec {
 
 struct chaos {
 	char dir[4096], ledger[4096], self[4096];
-	struct kill_rec kills[CH_ROUNDS * CH_KILLS * 64];
+	struct kill_rec kills[CH_ROUNDS * (CH_KILLS + CH_PROCS) * 64];
 	int nkills;
 	long grants, timeouts, stops, spawns;
 };
@@ -529,7 +546,10 @@ START_TEST(test_local_chaos)
 	static struct chaos ch;
 	struct st_rng rng;
 	char why[1024] = "", tmpl[] = "/tmp/kl-chaos-XXXXXX";
-	long rounds = st_scaled(CH_ROUNDS, 1.0, 2);
+	/* At most 64 x CH_ROUNDS: the kills array's size. */
+	long rounds = st_scaled(CH_ROUNDS, 1.0, 2) < CH_ROUNDS * 64
+			      ? st_scaled(CH_ROUNDS, 1.0, 2)
+			      : CH_ROUNDS * 64;
 	int ops = (int)st_scaled(CH_OPS, 1.0, 10);
 	long total_kills = 0, left_before = 0;
 	ssize_t len;
@@ -557,6 +577,15 @@ START_TEST(test_local_chaos)
 		int live = CH_PROCS, kills = 0;
 		int64_t hang_at = mono_ns() + (int64_t)CH_ROUND_HANG_S *
 						      st_slow() * 1000 * ST_MS;
+		/* Every other round is cut short: all its helpers are killed
+		 * at once, wherever they are, and the next round (and the
+		 * final sweep) must cope with what they left. */
+		int64_t cut_at = r % 2 == 0 ? 0
+					    : mono_ns() +
+						      (int64_t)(200 +
+								st_below(&rng,
+									 1500)) *
+							      ST_MS;
 
 		for (int i = 0; i < CH_PROCS; i++) {
 			pids[i] = spawn(&ch, ops, st_seed() + (uint64_t)r * 64 +
@@ -593,6 +622,21 @@ START_TEST(test_local_chaos)
 			}
 			if (now >= hang_at) {
 				hung = 1;
+				break;
+			}
+			if (cut_at != 0 && now >= cut_at) {
+				for (int j = 0; j < CH_PROCS; j++) {
+					if (pids[j] <= 0)
+						continue;
+					ch.kills[ch.nkills].serial = serials[j];
+					ch.kills[ch.nkills].at = mono_ns();
+					ch.nkills++;
+					kill(pids[j], SIGKILL);
+					reap(pids[j], &status, true);
+					pids[j] = 0;
+					live--;
+					total_kills++;
+				}
 				break;
 			}
 			if (pids[i] <= 0)
