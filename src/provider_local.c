@@ -39,7 +39,8 @@
  *   (it just closes its ticket);
  * - a queue file with no ticket left (serving == next) is removed by the
  *   one leaving it, under its lock, once its fence is behind the wall
- *   clock: idle keys leave nothing behind.  Whoever opened it before the
+ *   clock, with the file of ticket next that a process killed before
+ *   counting it may have left: idle keys leave nothing behind.  Whoever opened it before the
  *   unlink sees, once it has the lock, that it has no link left and opens
  *   the name again.
  * Fences: a new queue file starts from the wall clock in microseconds and
