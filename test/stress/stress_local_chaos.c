@@ -10,7 +10,7 @@
  * try-once, short, long and KL_FOREVER.  Meanwhile the test's thread
  * SIGKILLs random helpers at random moments (a replacement takes the
  * killed one's place, up to a budget per round) and SIGSTOPs others for up
- * to 200 ms, then SIGCONTs them.
+ * to 400 ms, then SIGCONTs them.
  *
  * Every grant is recorded in a shared ledger (one O_APPEND file, one write
  * a record): "S key fence pid tid t" just after the grant and "E ... t"
@@ -656,9 +656,12 @@ START_TEST(test_local_chaos)
 				stopped_until[i] = 0;
 			} else if (act < 40 && stopped_until[i] == 0) {
 				kill(pids[i], SIGSTOP);
+				/* Some past a release's 200 ms wait for the
+				 * queue lock, so that it drops its ticket
+				 * instead. */
 				stopped_until[i] =
 					mono_ns() +
-					(int64_t)(1 + st_below(&rng, 200)) *
+					(int64_t)(1 + st_below(&rng, 400)) *
 						ST_MS;
 				ch.stops++;
 			}
