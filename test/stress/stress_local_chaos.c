@@ -225,9 +225,8 @@ child_thread(void *arg)
 		t0 = mono_ns();
 		rc = kl_lock_acquire(l, NULL, &lease, &err);
 		t1 = mono_ns();
-		if (t1 - t0 > (to == KL_FOREVER ? 0 : to * ST_MS) +
-				      CH_HANG_MS * ST_MS &&
-		    to != KL_FOREVER)
+		if (to != KL_FOREVER &&
+		    t1 - t0 > (to + (int64_t)CH_HANG_MS * st_slow()) * ST_MS)
 			record(c->lfd, "H %d %ld %" PRId64 " %" PRId64 "\n", k,
 			       id, to, (t1 - t0) / ST_MS);
 		if (rc == KL_ETIMEDOUT) {
