@@ -39,7 +39,8 @@
  *   (it just closes its ticket);
  * - a queue file with no ticket left (serving == next) is removed by the
  *   one leaving it, under its lock, once its fence is behind the wall
- *   clock: idle keys leave nothing behind.  Whoever opened it before the
+ *   clock, with the file of ticket next that a process killed before
+ *   counting it may have left: idle keys leave nothing behind.  Whoever opened it before the
  *   unlink sees, once it has the lock, that it has no link left and opens
  *   the name again.
  * Fences: a new queue file starts from the wall clock in microseconds and
@@ -460,6 +461,7 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 {
 	char tname[48];
 	struct qstate st;
+	struct stat qst;
 	int rc;
 
 	/* The ticket file goes first: a process dying between the two
@@ -474,8 +476,18 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 		if (advance(lp, l->name, l->qfd, &st, st.next) != 0)
 			rc = fail_file(lp, err, "cannot update", l->name,
 				       errno);
-		else if (st.serving == st.next && st.fence < wall_us())
-			unlink_own(lp, l->name, l->qdev, l->qino);
+		else if (st.serving == st.next && st.fence < wall_us() &&
+			 fstatat(lp->dirfd, l->name, &qst,
+				 AT_SYMLINK_NOFOLLOW) == 0 &&
+			 same_file(&qst, l->qdev, l->qino)) {
+			/* A process killed between making its ticket file
+			 * and counting it left one numbered next, which
+			 * only the next ticket taken would replace: once
+			 * the queue file is gone, none will. */
+			ticket_name(tname, sizeof tname, l->name, st.next);
+			unlinkat(lp->dirfd, tname, 0);
+			unlinkat(lp->dirfd, l->name, 0);
+		}
 	}
 	KL_CRASH_POINT("release-advanced");
 	qunlock(l->qfd);

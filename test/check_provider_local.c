@@ -3242,6 +3242,49 @@ START_TEST(test_ticket_looked_at_while_made)
 }
 END_TEST
 
+/* A process killed between making its ticket file and counting it leaves
+ * a file numbered like the queue's next ticket.  The next one to take a
+ * ticket replaces it, but when the queue goes idle first and its file is
+ * removed, nobody ever would: the key would leave a file behind for good.
+ * Found by test/stress/stress_local_chaos. */
+START_TEST(test_uncounted_ticket_idle)
+{
+	const char *key = "lo:uncounted";
+	const char *const points[] = { "ticket-created", "ticket-flocked" };
+	kl_provider *p = open_dir(g_dir);
+	char qname[64], tname[80], path[PATH_MAX];
+	struct helper hh, hc;
+	int status;
+
+	queue_name(qname, sizeof qname, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.1", qname);
+	for (size_t i = 0; i < sizeof points / sizeof points[0]; i++) {
+		helper_spawn(&hh, "hold", key, NULL, 0);
+		helper_granted(&hh);
+		helper_spawn_crash(&hc, "hold", key, NULL, 0, points[i]);
+		status = helper_reap(&hc);
+		ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+			      "%s: status 0x%x", points[i], (unsigned)status);
+		helper_close(&hc);
+		in_state(path, sizeof path, tname);
+		ck_assert_msg(access(path, F_OK) == 0, "%s: no %s", points[i],
+			      tname);
+		ck_assert_int_eq(write(hh.to, "x\n", 2), 2);
+		helper_exit_ok(&hh);
+		helper_close(&hh);
+		ck_assert_msg(access(path, F_OK) != 0 && errno == ENOENT,
+			      "%s: the key went idle leaving %s", points[i],
+			      tname);
+		in_state(path, sizeof path, qname);
+		ck_assert_msg(access(path, F_OK) != 0 && errno == ENOENT,
+			      "%s: the key went idle leaving %s", points[i],
+			      qname);
+	}
+	assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A process killed between making the secret's temporary file and
  * renaming it leaves "secret.PID.N"; a later process with the same pid
  * (pids are reused, and start from 1 in every container) must still be
@@ -3403,6 +3446,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_files_replaced_release_keeps_new);
 	tcase_add_test(tc, test_secret_made_at_once);
 	tcase_add_test(tc, test_no_fd_left);
+	tcase_add_test(tc, test_uncounted_ticket_idle);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
