@@ -24,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 
 #include "keylock.h"
@@ -82,10 +83,12 @@ LLVMFuzzerInitialize(int *argc, char ***argv)
 	return 0;
 }
 
+/* Schemes are case-insensitive: "lOcal:" opens the local provider too,
+ * and must be confined to TMP like "local:". */
 static int
 has_prefix(const char *s, const char *prefix)
 {
-	return strncmp(s, prefix, strlen(prefix)) == 0;
+	return strncasecmp(s, prefix, strlen(prefix)) == 0;
 }
 
 static void
