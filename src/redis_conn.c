@@ -584,11 +584,12 @@ send_all(struct kl__rconn *c)
 	return ok;
 }
 
-/* 1 when fd is readable, 0 at the deadline, -1 on a poll error. */
-static int
-wait_readable(int fd, int64_t deadline)
+/* 1 when fd is ready for events, 0 at the deadline, -1 on a poll error.
+ * Shared with the TLS handshake (redis_tls.c). */
+int
+kl__redis_wait_fd(int fd, short events, int64_t deadline)
 {
-	struct pollfd p = { .fd = fd, .events = POLLIN };
+	struct pollfd p = { .fd = fd, .events = events };
 
 	for (;;) {
 		int64_t now = kl__redis_now_ns(), ms;
@@ -605,8 +606,8 @@ wait_readable(int fd, int64_t deadline)
 	}
 }
 
-/* As wait_readable, at once when c's TLS session holds decrypted bytes
- * already (poll() cannot see them). */
+/* As kl__redis_wait_fd for POLLIN, at once when c's TLS session holds
+ * decrypted bytes already (poll() cannot see them). */
 static int
 conn_readable(struct kl__rconn *c, int64_t deadline)
 {
@@ -614,7 +615,7 @@ conn_readable(struct kl__rconn *c, int64_t deadline)
 	if (c->tls != NULL && kl__rtls_pending(c->tls))
 		return 1;
 #endif
-	return wait_readable(c->ctx->fd, deadline);
+	return kl__redis_wait_fd(c->ctx->fd, POLLIN, deadline);
 }
 
 /* Reads what the server sent into hiredis's reader by deadline: 1 when

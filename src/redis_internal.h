@@ -78,6 +78,9 @@ KL_RHIDDEN void kl__redis_error(kl_error *err, int status, const char *fmt,
 				...) __attribute__((format(printf, 3, 4)));
 /* CLOCK_MONOTONIC nanoseconds. */
 KL_RHIDDEN int64_t kl__redis_now_ns(void);
+/* 1 when fd is ready for events, 0 at deadline (kl__redis_now_ns), -1 on
+ * a poll error; EINTR never extends the deadline. */
+KL_RHIDDEN int kl__redis_wait_fd(int fd, short events, int64_t deadline);
 /* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */
 KL_RHIDDEN int64_t kl__redis_deadline(int64_t ms);
 /* getpid(), cached per process (a fork() child finds it anew). */

@@ -284,27 +284,6 @@ kl__rtls_free(struct kl__rtls *t)
 	free(t);
 }
 
-/* 1 when fd is ready for events, 0 at the deadline, -1 on a poll error. */
-static int
-wait_fd(int fd, short events, int64_t deadline)
-{
-	struct pollfd p = { .fd = fd, .events = events };
-
-	for (;;) {
-		int64_t now = kl__redis_now_ns(), ms;
-		int r;
-
-		if (now >= deadline)
-			return 0;
-		ms = (deadline - now + 999999) / 1000000;
-		r = poll(&p, 1, ms > INT_MAX ? INT_MAX : (int)ms);
-		if (r > 0)
-			return 1;
-		if (r < 0 && errno != EINTR)
-			return -1;
-	}
-}
-
 static int
 handshake_failed(struct kl__rtls *t, const struct kl__redis_conf *conf,
 		 int e, kl_error *err)
@@ -398,8 +377,10 @@ kl__rtls_start(struct kl__rconn *c, const struct kl__redis_conf *conf,
 		e = SSL_get_error(t->ssl, r);
 		if (e != SSL_ERROR_WANT_READ && e != SSL_ERROR_WANT_WRITE)
 			return handshake_failed(t, conf, e, err);
-		w = wait_fd(t->fd, e == SSL_ERROR_WANT_READ ? POLLIN : POLLOUT,
-			    deadline_ns);
+		w = kl__redis_wait_fd(t->fd,
+				      e == SSL_ERROR_WANT_READ ? POLLIN
+							       : POLLOUT,
+				      deadline_ns);
 		if (w <= 0) {
 			kl__redis_error(err, KL_EPROVIDER,
 					"redis provider: TLS handshake with "
