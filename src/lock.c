@@ -303,9 +303,10 @@ release(struct kl_lease *lease)
 /*
  * kl_lock_run_lease, and kl_lock_run through run_plain: the lease lent to
  * fn lives in the key's entry (in_entry) or on this stack, marked
- * LEASE_LENT either way (see lent_release).
+ * LEASE_LENT either way (see lent_release).  Always inlined, so that
+ * kl_lock_run pays no call to run on top of its call to fn.
  */
-static int
+static inline __attribute__((always_inline)) int
 run(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
     int *fn_result, kl_error *err)
 {
