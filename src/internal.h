@@ -262,10 +262,10 @@ struct kl_provider {
 	struct kl__table *table; /* set for memory providers */
 };
 
-/* provider_local.c: opens the local provider on dir ("" = the default). */
+/* local/provider_local.c: opens the local provider on dir ("" = the default). */
 KL_HIDDEN int kl__local_provider_open(kl_provider **out, const char *dir,
 				      kl_error *err);
-/* local_path.c: opens the state directory path (made, 0700, when only its
+/* local/local_path.c: opens the state directory path (made, 0700, when only its
  * last name is missing) name by name without following links, refusing it
  * unless every ancestor is safe from other users; *abs gets its absolute
  * normalized path (kl__free it).  KL_OK, KL_ENOMEM or KL_EPROVIDER. */

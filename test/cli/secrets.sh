@@ -225,7 +225,7 @@ done
 echo "0644 password file: $(head -n 1 "$ERR")"
 
 # 5. Restricted ACL users: the rule of kl_redis_provider_open(3), then only
-# the commands the provider sends (src/redis_conn.c, src/provider_redis.c)
+# the commands the provider sends (src/redis/redis_conn.c, src/redis/provider_redis.c)
 # and its key prefix.
 acl_user() {
 	local user=$1 rules=$2 reply

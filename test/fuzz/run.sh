@@ -57,7 +57,7 @@ fi
 
 # The library's sources, as Makefile.am lists them (kl_sources).
 mapfile -t SRCS < <(sed -n '/^kl_sources = /,/^$/p' "$ROOT/Makefile.am" |
-	grep -o 'src/[A-Za-z0-9_]*\.c' | sed "s|^|$ROOT/|")
+	grep -o 'src/[A-Za-z0-9_/]*\.c' | sed "s|^|$ROOT/|")
 [ ${#SRCS[@]} -gt 0 ] || { echo "fuzz: no kl_sources in Makefile.am" >&2; exit 2; }
 
 CFLAGS=(-std=gnu11 -g -O1 -fno-omit-frame-pointer
@@ -80,13 +80,13 @@ fuzz() {
 	fi
 	if [ "$t" = fuzz_resp ]; then
 		# the Redis provider, compiled in, and hiredis
-		tsrcs=("$ROOT"/src/provider_redis.c "$ROOT"/src/redis_conn.c
-			"$ROOT"/src/redis_config.c "$ROOT"/src/redis_sha256.c)
+		tsrcs=("$ROOT"/src/redis/provider_redis.c "$ROOT"/src/redis/redis_conn.c
+			"$ROOT"/src/redis/redis_config.c "$ROOT"/src/redis/redis_sha256.c)
 		read -r -a tlibs <<<"$(pkg-config --cflags --libs hiredis 2>/dev/null ||
 			echo -I/usr/include/hiredis -lhiredis)"
 		# TLS (rediss://) when the build has it
 		if grep -q '^#define HAVE_REDIS_TLS 1' "$BUILD/config.h"; then
-			tsrcs+=("$ROOT"/src/redis_tls.c)
+			tsrcs+=("$ROOT"/src/redis/redis_tls.c)
 			read -r -a f <<<"$(pkg-config --cflags --libs libssl libcrypto 2>/dev/null ||
 				echo -lssl -lcrypto)"
 			tlibs+=("${f[@]}")

@@ -38,7 +38,7 @@
 #include <unistd.h>
 
 #include "keylock.h"
-#include "util.h"
+#include "../util.h"
 
 #ifdef HAVE_REDIS_TLS
 static const char *g_server_bin;

@@ -61,8 +61,8 @@
 #include <hiredis.h>
 
 #include "keylock.h"
-#include "redis_internal.h" /* kl__redis_sha256_hex, as the provider */
-#include "util.h"
+#include "redis/redis_internal.h" /* kl__redis_sha256_hex, as the provider */
+#include "../util.h"
 
 extern char **environ;
 
@@ -480,7 +480,7 @@ helper_path(void)
 				return path;
 		}
 	}
-	if (snprintf(path, sizeof path, "%s/test/redis_helper",
+	if (snprintf(path, sizeof path, "%s/test/redis/redis_helper",
 		     top != NULL ? top : ".") >= (int)sizeof path)
 		path[0] = '\0';
 	return path;

@@ -13,7 +13,7 @@
  *	marker already there means two holders at once, and it exits 5.
  *
  * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
- * that crash point of the local provider (src/provider_local.c), and
+ * that crash point of the local provider (src/local/provider_local.c), and
  * KL_STOP_AT=<point> stops it there with SIGSTOP (e.g. "queue-locked": a
  * process stopped while it holds a queue file's lock).
  *

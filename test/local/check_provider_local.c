@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Tests of the local: provider (src/provider_local.c): opening a state
+ * Tests of the local: provider (src/local/provider_local.c): opening a state
  * directory and refusing unsafe ones, acquire and release through kl_lock,
  * fences, keys of any bytes kept inside the directory, strict FIFO across
  * threads and across processes, timeouts, cancellation, a waiter giving up
@@ -59,7 +59,7 @@
 #include <unistd.h>
 
 #include "internal.h"
-#include "util.h"
+#include "../util.h"
 
 /* The state directory's random secret, which keys the SipHash of the
  * state file names (made by the provider when it opens the directory). */
@@ -601,7 +601,7 @@ helper_path(void)
 				return path;
 		}
 	}
-	len = snprintf(path, sizeof path, "%s/test/local_helper",
+	len = snprintf(path, sizeof path, "%s/test/local/local_helper",
 		       top != NULL ? top : ".");
 	ck_assert(len > 0 && (size_t)len < sizeof path);
 	return path;
@@ -1564,7 +1564,7 @@ START_TEST(test_alloc_failures)
 }
 END_TEST
 
-/* The queue file's magic number (src/provider_local.c). */
+/* The queue file's magic number (src/local/provider_local.c). */
 #define QUEUE_MAGIC 0x314b4c51514b4c4bULL
 
 /* Writes a queue file for key with the given counters (the provider's
@@ -1899,7 +1899,7 @@ END_TEST
 /* Crash points (TESTPLAN T25 (b))                                     */
 
 /*
- * The provider's named crash points (src/provider_local.c, KL_CRASH_AT),
+ * The provider's named crash points (src/local/provider_local.c, KL_CRASH_AT),
  * each at one step of queue mutation.  For every point, rounds of: a
  * helper H holds the key; a helper C with KL_CRASH_AT=<point> queues
  * behind it (dying at once at the entry points); survivors S1 and S2

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Tests of the PostgreSQL provider (src/provider_pg.c, libkeylock-pg)
+ * Tests of the PostgreSQL provider (src/pg/provider_pg.c, libkeylock-pg)
  * against a real server: KEYLOCK_TEST_PG_URI names it (tools/test stage pg
  * starts a throwaway one).  Without it, or when the server cannot be
  * reached, the suite exits 77 (skip): it never fakes a server.
@@ -61,7 +61,7 @@
 
 #include "keylock.h"
 #include "keylock/pg.h"
-#include "util.h"
+#include "../util.h"
 
 /* Bounds on waits that must not hang. */
 #define WAIT_BOUND_MS 30000
@@ -520,7 +520,7 @@ helper_path(void)
 	int n;
 
 	/* The libtool wrapper, which finds the uninstalled libraries. */
-	n = snprintf(path, sizeof path, "%s/test/pg_helper",
+	n = snprintf(path, sizeof path, "%s/test/pg/pg_helper",
 		     top != NULL ? top : ".");
 	ck_assert(n > 0 && (size_t)n < sizeof path);
 	return path;

@@ -72,8 +72,8 @@
 #include <hiredis.h>
 
 #include "keylock.h"
-#include "redis_internal.h" /* the provider's scripts and key digest */
-#include "util.h"
+#include "redis/redis_internal.h" /* the provider's scripts and key digest */
+#include "../util.h"
 
 #define MS (INT64_C(1000000))
 /* Scheduling slack on a loaded machine, added to documented bounds. */
@@ -911,7 +911,7 @@ cmd_get(redisContext *c, const char *key, char *buf, size_t size)
 /* T23: ownership                                                      */
 
 /* One of the provider's scripts, run with token tok on a connection of
- * the provider's own code (src/redis_conn.c). */
+ * the provider's own code (src/redis/redis_conn.c). */
 static redisReply *
 script(struct kl__rconn *c, enum kl__redis_script id, const char *prefix,
        const char *key, const char *tok, const char *num)
