@@ -399,10 +399,6 @@ kl__pg_run_short_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 			      KL_EPROVIDER, NULL, a, err);
 
 	if (rc == KL_OK && a->failed) {
-		/* c is never NULL: clang-analyzer takes kl__pg_aux_run's
-		 * second kl__pg_conn_open for one that returns KL_OK without
-		 * a connection. */
-		/* NOLINTNEXTLINE(clang-analyzer-core.NullDereference) */
 		c->broken = true;
 		rc = kl__pg_fail(p, err, KL_EPROVIDER, "%s", a->message);
 	}

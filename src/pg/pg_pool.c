@@ -290,9 +290,6 @@ kl__pg_aux_run(struct kl__pg *p, const char *sql, bool strict,
 				p, c, sql,
 				kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
 				KL_EPROVIDER, NULL, a, err);
-		/* kl__pg_conn_open gives KL_OK only with a connection (see
-		 * kl__pg_run_short_q). */
-		/* NOLINTNEXTLINE(clang-analyzer-core.NullDereference) */
 		if (!c->broken)
 			break;
 		/* One that died while idle is replaced, once. */
