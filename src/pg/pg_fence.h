@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The fence sequence of the PostgreSQL provider (src/pg_fence.c): its
+ * The fence sequence of the PostgreSQL provider (src/pg/pg_fence.c): its
  * schema-qualified name and the SQL that checks it at open, floors it when
  * a session starts and draws a fence from it.  Private to libkeylock-pg.
  */

@@ -1,6 +1,6 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Tests of the PostgreSQL provider (src/pg/provider_pg.c, libkeylock-pg)
+ * Tests of the PostgreSQL provider (src/pg/, libkeylock-pg)
  * against a real server: KEYLOCK_TEST_PG_URI names it (tools/test stage pg
  * starts a throwaway one).  Without it, or when the server cannot be
  * reached, the suite exits 77 (skip): it never fakes a server.
@@ -25,7 +25,7 @@
  *
  * Each test opens its own admin connection (libpq) to look at pg_locks and
  * pg_stat_activity, and uses keys unique to the test and process, so runs
- * do not disturb each other.  Other processes are test/pg_helper, spawned
+ * do not disturb each other.  Other processes are test/pg/pg_helper, spawned
  * with posix_spawn and killed by the teardown if still running.  Worker
  * threads never call ck_assert*; orders are forced by polling the server's
  * lock queue, never by sleeping; time bounds are wide.
@@ -504,7 +504,7 @@ waiter_free(struct waiter *w)
 }
 
 /* ------------------------------------------------------------------ */
-/* Helper processes (test/pg_helper)                                   */
+/* Helper processes (test/pg/pg_helper)                                */
 
 struct helper {
 	pid_t pid;
