@@ -98,7 +98,7 @@ stage_helgrind() {
 			"$log" | tail -n 1)
 		[ "$res" -eq 0 ] && [ "${errs:-1}" -eq 0 ] || [ "$f" -gt 0 ] ||
 			f=1
-		say "helgrind: $prog${case:+ ($case)}: $n tests, $f failures, ${errs:-no} Helgrind reports (exit $res)"
+		progress "helgrind: $prog${case:+ ($case)}: $n tests, $f failures, ${errs:-no} Helgrind reports (exit $res)"
 		tests=$((tests + n))
 		fails=$((fails + f))
 		if [ "$f" -gt 0 ]; then
@@ -117,9 +117,9 @@ stage_helgrind() {
 	tests=$((tests + 1))
 	if [ "$res" -eq 99 ] && grep -q 'Possible data race' "$log" &&
 		grep -q '"racy"' "$log" && ! grep -q '"locked"' "$log"; then
-		say "helgrind: planted race: reported, the locked counter not"
+		progress "helgrind: planted race: reported, the locked counter not"
 	else
-		say "helgrind: planted race: not reported as it should be (exit $res)"
+		progress "helgrind: planted race: not reported as it should be (exit $res)"
 		fails=$((fails + 1))
 		rc=1
 		echo "$log" >>"$STAGE_FAILED"

@@ -140,6 +140,14 @@ progress() {
 	[ -z "${STAGE_PROGRESS:-}" ] || say "$*" >>"$STAGE_PROGRESS"
 }
 
+# progress_done WHAT TRS START: a progress line for WHAT with the result in
+# TRS (the harness's .trs file) and the seconds since START.
+progress_done() {
+	local res
+	res=$(sed -n 's/^:test-result: *//p' "$2" 2>/dev/null | head -n 1)
+	progress "$1: ${res:-did not run} in $((SECONDS - $3))s"
+}
+
 # at_exit COMMAND: runs COMMAND (a function name and words, split) when the
 # stage's process exits, however it exits: the last one registered first.
 # A SIGINT, SIGTERM or SIGHUP makes the stage exit, and so run them: a

@@ -54,7 +54,7 @@ pg_tls_files() {
 }
 stage_pg() {
 	local port="" try pw=keylock-auth-test base want got rc=0
-	local psql_args opts
+	local psql_args opts start
 	if [ ! -x "$PG_BIN/initdb" ] || ! command -v openssl >/dev/null ||
 		! dpkg-query -W -f='${Status}' \
 		libpq-dev 2>/dev/null | grep -q 'install ok installed'; then
@@ -82,7 +82,7 @@ stage_pg() {
 
 	id -u "$PG_USER" >/dev/null 2>&1 || PG_USER=nobody
 	PG_TMP=$(mktemp -d "${TMPDIR:-/tmp}/keylock-pg.XXXXXX")
-	trap pg_stop EXIT
+	at_exit pg_stop
 	chmod 700 "$PG_TMP"
 	[ "$(id -u)" -ne 0 ] || chown "$PG_USER" "$PG_TMP"
 	if ! pg_as "$PG_BIN/initdb" -D "$PG_TMP/data" -U postgres -A trust \
@@ -156,14 +156,19 @@ stage_pg() {
 	# check program); the .trs tells the result.
 	rm -f "$PLAIN/test/pg/check_provider_pg.log" \
 		"$PLAIN/test/pg/check_provider_pg.trs"
+	start=$SECONDS
+	progress "pg: test/pg/check_provider_pg: started"
 	[ "$rc" -ne 0 ] || mk "$PLAIN" test/pg/check_provider_pg.log || rc=$?
 	cat "$PLAIN/test/pg/check_provider_pg.log" 2>/dev/null || true
+	progress_done "pg: test/pg/check_provider_pg" \
+		"$PLAIN/test/pg/check_provider_pg.trs" "$start"
 	tally "$PLAIN"
 	if ! grep -q '^:test-result: PASS' \
 		"$PLAIN/test/pg/check_provider_pg.trs" 2>/dev/null; then
 		say "error: test/pg/check_provider_pg did not run and pass" >&2
 		[ "$rc" -ne 0 ] || rc=1
 	fi
+	progress "pg: test/cli/conflict.sh and fifo.sh, keylock-bench provider --quick"
 	cli_remote "$KEYLOCK_TEST_PG_URI" || rc=1
 	bench_provider "$KEYLOCK_TEST_PG_URI" || rc=1
 	return $rc

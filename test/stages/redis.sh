@@ -54,7 +54,7 @@ redis_ping() {
 	) 2>/dev/null
 }
 stage_redis() {
-	local server try i rc=0 brc=0 log suite
+	local server try i rc=0 brc=0 log suite start
 	if ! command -v redis-server >/dev/null 2>&1 ||
 		! command -v openssl >/dev/null 2>&1 ||
 		! dpkg-query -W -f='${Status}' libhiredis-dev libssl-dev \
@@ -77,8 +77,7 @@ stage_redis() {
 		build_plain
 
 	REDIS_TMP=$(mktemp -d "${TMPDIR:-/tmp}/keylock-redis.XXXXXX")
-	trap redis_stop EXIT
-	trap 'exit 130' INT TERM HUP
+	at_exit redis_stop
 	chmod 700 "$REDIS_TMP"
 	for try in 1 2 3 4 5 6 7 8; do
 		REDIS_PORT=$((20000 + RANDOM % 30000))
@@ -126,8 +125,11 @@ stage_redis() {
 	for suite in check_provider_redis check_redis_chaos check_redis_tls; do
 		log=$PLAIN/test/redis/$suite
 		rm -f "$log.log" "$log.trs"
+		start=$SECONDS
+		progress "redis: test/redis/$suite: started"
 		[ "$brc" -ne 0 ] || mk "$PLAIN" "test/redis/$suite.log" || rc=1
 		cat "$log.log" 2>/dev/null || true
+		progress_done "redis: test/redis/$suite" "$log.trs" "$start"
 	done
 	tally "$PLAIN"
 	for suite in check_provider_redis check_redis_chaos check_redis_tls; do
@@ -137,6 +139,7 @@ stage_redis() {
 			[ "$rc" -ne 0 ] || rc=1
 		fi
 	done
+	progress "redis: test/cli/conflict.sh and fifo.sh, keylock-bench provider --quick, test/cli/secrets.sh"
 	cli_remote "$KEYLOCK_TEST_REDIS_URI?restart_guard=0" || rc=1
 	bench_provider "$KEYLOCK_TEST_REDIS_URI?restart_guard=0" || rc=1
 	cli_secrets || rc=1

@@ -30,7 +30,7 @@ stress_fiu() {
 			bad=$((bad + 1))
 		fi
 	done
-	say "stress: T13 under libfiu: 20 runs, $bad crashed or hung"
+	progress "stress: T13 under libfiu: 20 runs, $bad crashed or hung"
 	[ "$bad" -eq 0 ]
 }
 
@@ -49,14 +49,14 @@ stage_stress() {
 			say "error: stress with KL_DEBUG_YIELD=1 KL_TEST_SEED=$seed failed" >&2
 		}
 	done
-	say "stress: debug-yield seeds: $((SECONDS - start))s"
+	progress "stress: debug-yield seeds: $((SECONDS - start))s"
 	stress_fiu || { rc=1; why="$why T13 under libfiu;"; }
 	start=$SECONDS
 	mk "$PLAIN" check-stress || { rc=1; why="$why plain pass;"; }
 	# The soak (stage soak, TESTPLAN T27) for 12 s: its code runs in CI.
 	KL_SOAK_MINUTES=0.2 mk "$PLAIN" check-stress \
 		KL_STRESS=test/stress/stress_soak || { rc=1; why="$why soak;"; }
-	say "stress: plain pass: $((SECONDS - start))s"
+	progress "stress: plain pass: $((SECONDS - start))s"
 	tally "$PLAIN/test/stress"
 	read -r s1 t1 f1 k1 <"$STAGE_RESULT"
 	mv "$STAGE_FAILED" "$STAGE_FAILED.plain"
@@ -69,7 +69,7 @@ stage_stress() {
 		(tsan_env && mk "$TSAN" check-stress) ||
 			{ rc=1; why="$why tsan pass;"; }
 	fi
-	say "stress: tsan pass (KL_TEST_SCALE=${KL_TEST_SCALE:-0.25}): $((SECONDS - start))s"
+	progress "stress: tsan pass (KL_TEST_SCALE=${KL_TEST_SCALE:-0.25}): $((SECONDS - start))s"
 	tally "$TSAN/test/stress"
 	read -r s2 t2 f2 k2 <"$STAGE_RESULT"
 	cat "$STAGE_FAILED.plain" >>"$STAGE_FAILED"

@@ -34,7 +34,7 @@ stage_timens() {
 				}
 				END { print (seen ? n : 0), (seen ? f : 1) }' "$log")
 			[ "$res" -eq 0 ] || [ "$f" -gt 0 ] || f=1
-			say "timens: +${off}s: $suite: $n tests, $f failures (exit $res)"
+			progress "timens: +${off}s: $suite: $n tests, $f failures (exit $res)"
 			tests=$((tests + n))
 			fails=$((fails + f))
 			if [ "$res" -ne 0 ]; then
