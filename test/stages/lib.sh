@@ -7,7 +7,7 @@
 # (servers are always stopped), and installing packages.
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-cd "$ROOT"
+cd "$ROOT" || exit
 
 # KL_BUILD_DIR lets several people build one tree at once.
 BUILD=${KL_BUILD_DIR:-$ROOT/_build}
