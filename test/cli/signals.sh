@@ -42,8 +42,11 @@ expect_rc 7 "SIGTERM passed on: the command's status"
 kl "${P[@]}" -n k -- true
 expect_rc 0 "the key after the command exited"
 
-# SIGHUP: the command dies of it, and so does keylock (128+1).
-bg "$KEYLOCK" "${P[@]}" k -- sh -c 'touch "$1"; exec sleep 20' sh "$TMP/hup"
+# SIGHUP: the command dies of it, and so does keylock (128+1).  With SIGHUP
+# as it is by default: a caller's ignored SIGHUP (nohup) is inherited, and
+# keylock rightly leaves the command ignoring it.
+bg env --default-signal=HUP "$KEYLOCK" "${P[@]}" k -- \
+	sh -c 'touch "$1"; exec sleep 20' sh "$TMP/hup"
 pid=$!
 wait_file "$TMP/hup"
 kill -HUP "$pid"
