@@ -1,11 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Private declarations of libkeylock-redis, shared by its modules:
- * redis_config.c (URI and password), redis_conn.c (one connection: connect,
- * authenticate, identify the server, send commands and scripts with
- * deadlines), redis_tls.c (rediss://, with OpenSSL), redis_sha256.c (key
- * digests) and provider_redis.c (the provider: pool, acquire and wait,
- * release, renewal thread).
+ * redis_config.c (URI and password), redis_util.c (messages, clocks,
+ * process id, random bytes), redis_conn.c (one connection: connect,
+ * authenticate, identify the server, load the scripts), redis_io.c (send
+ * commands and read replies with deadlines), redis_scripts.c (the Lua
+ * scripts, run by digest), redis_tls.c (rediss://, with OpenSSL),
+ * redis_sha256.c (key digests) and provider_redis.c (the provider: pool,
+ * acquire and wait, release, renewal thread).
  *
  * This library links libkeylock.so and so sees only its public kl_*
  * functions; the kl__redis_* helpers here are hidden by the build
@@ -72,15 +74,12 @@ KL_RHIDDEN int kl__redis_conf_parse(struct kl__redis_conf *conf,
 KL_RHIDDEN void kl__redis_conf_clear(struct kl__redis_conf *conf);
 
 /* ------------------------------------------------------------------ */
-/* Shared helpers (redis_conn.c) */
+/* Shared helpers (redis_util.c) */
 
 KL_RHIDDEN void kl__redis_error(kl_error *err, int status, const char *fmt,
 				...) __attribute__((format(printf, 3, 4)));
 /* CLOCK_MONOTONIC nanoseconds. */
 KL_RHIDDEN int64_t kl__redis_now_ns(void);
-/* 1 when fd is ready for events, 0 at deadline (kl__redis_now_ns), -1 on
- * a poll error; EINTR never extends the deadline. */
-KL_RHIDDEN int kl__redis_wait_fd(int fd, short events, int64_t deadline);
 /* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */
 KL_RHIDDEN int64_t kl__redis_deadline(int64_t ms);
 /* getpid(), cached per process (a fork() child finds it anew). */
@@ -104,7 +103,8 @@ KL_RHIDDEN void kl__redis_sha256_hex(const void *data, size_t len,
 				     char out[65]);
 
 /* ------------------------------------------------------------------ */
-/* redis_conn.c: one connection, used by one thread at a time. */
+/* One connection, used by one thread at a time: made by redis_conn.c,
+ * commands sent by redis_io.c, scripts run by redis_scripts.c. */
 
 enum kl__redis_script {
 	KL_RS_ATTEMPT,
@@ -141,6 +141,23 @@ KL_RHIDDEN int kl__rconn_open(const struct kl__redis_conf *conf,
 			      int64_t cap_ns, struct kl__rconn **out,
 			      kl_error *err);
 KL_RHIDDEN void kl__rconn_close(struct kl__rconn *c);
+/* The server's uptime in milliseconds now, as estimated from the uptime
+ * INFO gave when c connected and our clock since: never more than the
+ * real uptime (INFO's whole seconds may be up to one too many). */
+KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
+
+/* redis_io.c.  A blocking recv() waits one SO_RCVTIMEO slice at most,
+ * which kl__rconn_open sets to this many milliseconds or less. */
+#define KL_R_RCV_SLICE_MS 100
+/* 1 when fd is ready for events, 0 at deadline (kl__redis_now_ns), -1 on
+ * a poll error; EINTR never extends the deadline. */
+KL_RHIDDEN int kl__redis_wait_fd(int fd, short events, int64_t deadline);
+/* Writes the commands appended to c's hiredis context and reads their n
+ * replies into rep by deadline_ns.  KL_OK, or KL_EPROVIDER with c->broken
+ * set and rep all NULL (c->owed says how many replies are still due when
+ * the deadline passed). */
+KL_RHIDDEN int kl__rconn_roundtrip(struct kl__rconn *c, int64_t deadline_ns,
+				   int n, redisReply **rep, kl_error *err);
 /* Sends one command (argv API: binary-safe) and reads its reply by
  * deadline_ns.  KL_OK with *reply set (an error reply included), or
  * KL_EPROVIDER with c->broken set. */
@@ -148,6 +165,15 @@ KL_RHIDDEN int kl__rconn_command(struct kl__rconn *c, int64_t deadline_ns,
 				 int argc, const char **argv,
 				 const size_t *lens, redisReply **reply,
 				 kl_error *err);
+/* Reads and discards the c->owed replies of commands that timed out, by
+ * deadline_ns; the server runs a connection's commands in order, so once
+ * they are in, nothing sent on c before is still to run.  KL_OK (c is in
+ * step again and no longer broken), KL_ETIMEDOUT (some are still due: call
+ * again later), KL_EPROVIDER (the connection failed: close it). */
+KL_RHIDDEN int kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns);
+
+/* redis_scripts.c: the text of each script (kl__rconn_open loads them). */
+KL_RHIDDEN extern const char *const kl__redis_scripts[KL_RS_COUNT];
 /* Runs script id with keys and args (EVALSHA, then EVAL when the server
  * lost its script cache).  As kl__rconn_command; an error reply becomes
  * KL_EPROVIDER (the connection stays usable). */
@@ -157,16 +183,6 @@ KL_RHIDDEN int kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 				int nargs, const char **args,
 				const size_t *alens, redisReply **reply,
 				kl_error *err);
-/* Reads and discards the c->owed replies of commands that timed out, by
- * deadline_ns; the server runs a connection's commands in order, so once
- * they are in, nothing sent on c before is still to run.  KL_OK (c is in
- * step again and no longer broken), KL_ETIMEDOUT (some are still due: call
- * again later), KL_EPROVIDER (the connection failed: close it). */
-KL_RHIDDEN int kl__rconn_drain(struct kl__rconn *c, int64_t deadline_ns);
-/* The server's uptime in milliseconds now, as estimated from the uptime
- * INFO gave when c connected and our clock since: never more than the
- * real uptime (INFO's whole seconds may be up to one too many). */
-KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
 
 /* redis_tls.c: the TLS session of c, whose socket is connected.  The
  * handshake (SNI, certificate and host name verification) ends by
