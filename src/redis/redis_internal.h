@@ -6,8 +6,10 @@
  * authenticate, identify the server, load the scripts), redis_io.c (send
  * commands and read replies with deadlines), redis_scripts.c (the Lua
  * scripts, run by digest), redis_tls.c (rediss://, with OpenSSL),
- * redis_sha256.c (key digests) and provider_redis.c (the provider: pool,
- * acquire and wait, release, renewal thread).
+ * redis_sha256.c (key digests), and the provider itself: provider_redis.c
+ * (leases, the operations), redis_pool.c (its connections), redis_guard.c
+ * (the restart guard), redis_wait.c (acquire and wait, release) and
+ * redis_renew.c (the renewal thread).
  *
  * This library links libkeylock.so and so sees only its public kl_*
  * functions; the kl__redis_* helpers here are hidden by the build
@@ -16,6 +18,7 @@
 #ifndef KL_REDIS_INTERNAL_H
 #define KL_REDIS_INTERNAL_H
 
+#include <pthread.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -90,6 +93,8 @@ KL_RHIDDEN pid_t kl__redis_getpid(void);
 KL_RHIDDEN bool kl__redis_random(void *buf, size_t n);
 /* Overwrites n bytes so that the compiler cannot drop the stores. */
 KL_RHIDDEN void kl__redis_wipe(void *p, size_t n);
+/* v in decimal into buf (24 bytes hold any); its length. */
+KL_RHIDDEN size_t kl__redis_num(char *buf, size_t size, int64_t v);
 
 /* redis_tls.c (built with OpenSSL only: HAVE_REDIS_TLS).  The context
  * loads the CA, the client certificate and key of conf once; its messages
@@ -126,7 +131,7 @@ struct kl__rconn {
 	int64_t t0_ns;      /* our clock when INFO had answered */
 	bool persistent;    /* appendonly yes and appendfsync always */
 	uint64_t epoch;     /* the provider's count of restarts seen, when
-			     * connected (set by provider_redis.c) */
+			     * connected (set by redis_guard.c) */
 	struct kl__rtls *tls; /* rediss://: the TLS session, or NULL */
 	char run_id[41];    /* the server's INFO run_id */
 	int version;        /* major * 100 + minor */
@@ -205,5 +210,163 @@ KL_RHIDDEN ssize_t kl__rtls_recv(struct kl__rtls *t, void *p, size_t n,
 KL_RHIDDEN bool kl__rtls_pending(struct kl__rtls *t);
 /* The last TLS error of t, for a message. */
 KL_RHIDDEN const char *kl__rtls_error(struct kl__rtls *t);
+
+/* ------------------------------------------------------------------ */
+/* The provider: provider_redis.c (leases, the operations, opening and
+ * closing), redis_pool.c (its connections), redis_guard.c (the restart
+ * guard), redis_wait.c (attempts, the wait in the queue, the release
+ * script) and redis_renew.c (the renewal thread and the undo queue).
+ * Locking: see provider_redis.c. */
+
+#define KL_R_MS (INT64_C(1000000)) /* nanoseconds in a millisecond */
+#define KL_R_GRACE_MS 100 /* a wait's commands end by its deadline + this */
+#define KL_R_FENCE_KEEP_MS 86400000 /* the fence counter outlives idle keys */
+#define KL_R_TOKEN_BYTES 16
+#define KL_R_STALE_MAX 8 /* connections an acquire leaves unanswered */
+
+enum {
+	KL_RK_LOCK,
+	KL_RK_QUEUE,
+	KL_RK_HB,
+	KL_RK_FENCE,
+	KL_RK_WAKE,
+	KL_RK_COUNT
+};
+
+/* The Redis key names of one lock key (KL_RK_WAKE only with a token). */
+struct kl__rnames {
+	char *buf;
+	const char *k[KL_RK_COUNT];
+	size_t len[KL_RK_COUNT];
+};
+
+struct kl__rlease {
+	struct kl__rlease *prev, *next; /* r->leases, while held */
+	bool linked;
+	char tok[2 * KL_R_TOKEN_BYTES + 1];
+	struct kl__rnames n;
+	int64_t ttl_ms;
+	int64_t guard_left_ms; /* the restart guard, at the last attempt */
+	uint64_t epoch; /* r->epoch when granted */
+	/* Under r->mu. */
+	int64_t renew_at;    /* ns: next renewal */
+	int64_t valid_until; /* ns: the key surely exists until then */
+	bool lost, released, notified, in_cb;
+	pthread_t cb_thread;
+	void (*lost_fn)(void *ctx);
+	void *ctx;
+	int refs; /* the owner, plus the renewal thread while it uses it */
+	/* Connections on which an attempt of this acquire timed out: the
+	 * server may still run it, and grant the key to this token.  Owned
+	 * by the acquiring thread, then by r->undos (see undo_try in
+	 * redis_renew.c). */
+	struct kl__rconn *stale[KL_R_STALE_MAX];
+	int nstale;
+	struct kl__rlease *undo_next; /* r->undos */
+	int64_t undo_until; /* ns: no use undoing after (0: not known yet) */
+};
+
+struct kl__redis {
+	struct kl__redis_conf conf;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	pid_t pid;
+	bool thread_started;
+	pthread_t thread;
+	struct kl__rconn *rconn; /* the renewal thread's alone */
+	/* Under mu. */
+	struct kl__rconn **idle;
+	size_t nidle;
+	char run_id[41];
+	uint64_t epoch;     /* restarts seen */
+	int64_t max_ttl_ms; /* longest ttl used: the automatic restart guard */
+	int64_t seen_ttl_ms; /* longest ttl record the server showed us */
+	int64_t rec_ns;      /* when an attempt last refreshed the record */
+	struct kl__rlease *leases;
+	bool stopping;
+	/* The restart marker and the ttl record (see script_mark in
+	 * redis_guard.c). */
+	char *gkey[2];
+	size_t gkey_len[2];
+	/* While the renewal thread sleeps: when it wakes by itself
+	 * (KL_R_NO_DEADLINE: only when signalled); 0 while it runs, and so
+	 * will look at every lease before it sleeps again.  A new lease due
+	 * before then must wake it, any other need not. */
+	int64_t sleep_until;
+	/* Acquires that gave up while an attempt was unanswered, oldest
+	 * first, and when the renewal thread next tries to undo them. */
+	struct kl__rlease *undos, **undo_tail;
+	size_t nundos;
+	int64_t undo_at;
+};
+
+/* provider_redis.c: drops a reference to l, freeing it with the last;
+ * r->mu held when the lease may be shared. */
+KL_RHIDDEN void kl__redis_lease_unref(struct kl__rlease *l);
+/* How long before its expiry in Redis a lease of ttl_ms stops counting as
+ * valid. */
+KL_RHIDDEN int64_t kl__redis_drift_ns(int64_t ttl_ms);
+
+/* redis_pool.c.  A new connection, checked against the restart marker, or
+ * a pooled one (conn_get), made by cap_ns; KL_OK, KL_EPROVIDER,
+ * KL_ENOMEM. */
+KL_RHIDDEN int kl__redis_conn_new(struct kl__redis *r, int64_t cap_ns,
+				  struct kl__rconn **out, kl_error *err);
+KL_RHIDDEN int kl__redis_conn_get(struct kl__redis *r, int64_t cap_ns,
+				  struct kl__rconn **out, kl_error *err);
+/* Back to the pool, or closed (broken, or the pool is full); NULL: no-op. */
+KL_RHIDDEN void kl__redis_conn_put(struct kl__redis *r, struct kl__rconn *c);
+/* Closes *cp and makes a new connection there by cap_ns. */
+KL_RHIDDEN int kl__redis_conn_replace(struct kl__redis *r,
+				      struct kl__rconn **cp, int64_t cap_ns,
+				      kl_error *err);
+/* The deadline of one command of a wait that ends at wait_deadline
+ * (KL_R_NO_DEADLINE: none), the server blocking extra_ns. */
+KL_RHIDDEN int64_t kl__redis_cmd_deadline(const struct kl__redis *r,
+					  int64_t wait_deadline,
+					  int64_t extra_ns);
+
+/* redis_guard.c.  Checks the restart marker on the new connection c, by
+ * cap_ns, and records which server run it reached. */
+KL_RHIDDEN int kl__redis_mark_server(struct kl__redis *r, struct kl__rconn *c,
+				     int64_t cap_ns, kl_error *err);
+/* The restart guard an attempt of a ttl_ms lease asks for. */
+KL_RHIDDEN void kl__redis_guard_need(struct kl__redis *r, int64_t ttl_ms,
+				     int64_t *ms, bool *use_rec,
+				     bool *refresh);
+
+/* redis_wait.c.  The leave script for l on c, by deadline. */
+KL_RHIDDEN int kl__redis_leave(struct kl__redis *r, struct kl__rconn *c,
+			       struct kl__rlease *l, int64_t deadline,
+			       kl_error *err);
+/* The leave script after a wait that failed or was abandoned, if c works,
+ * by end if it can. */
+KL_RHIDDEN void kl__redis_leave_anyway(struct kl__redis *r,
+				       struct kl__rconn *c,
+				       struct kl__rlease *l, int64_t end);
+/* Compare-and-delete with l's token: *released when the key was ours. */
+KL_RHIDDEN int kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l,
+				     bool *released, kl_error *err);
+/* The first attempt of an acquire, and the wait in the queue after it:
+ * KL_OK (*granted: the key is l's, *fence its fence, *sent_ns when the
+ * attempt that got it was sent) or a KL_E* status. */
+KL_RHIDDEN int kl__redis_first_attempt(struct kl__redis *r,
+				       struct kl__rconn **cp,
+				       struct kl__rlease *l, bool try_only,
+				       int64_t deadline, bool *granted,
+				       uint64_t *fence, int64_t *sent_ns,
+				       kl_error *err);
+KL_RHIDDEN int kl__redis_wait_queued(struct kl__redis *r, struct kl__rconn **cp,
+				     struct kl__rlease *l, kl_cancel *cancel,
+				     int64_t deadline, uint64_t *fence,
+				     int64_t *sent_ns, kl_error *err);
+
+/* redis_renew.c.  Keeps *cp in l if a command of l's wait on it is still
+ * unanswered. */
+KL_RHIDDEN void kl__redis_stash(struct kl__rlease *l, struct kl__rconn **cp);
+/* Hands l, an acquire that gave up, to the renewal thread to undo. */
+KL_RHIDDEN void kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l);
+/* Starts the renewal thread; KL_OK or KL_ENOMEM. */
+KL_RHIDDEN int kl__redis_start_thread(struct kl__redis *r);
 
 #endif /* KL_REDIS_INTERNAL_H */

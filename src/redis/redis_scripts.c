@@ -74,7 +74,7 @@
  * one per grant, and a grant takes two scripts, far more than a
  * microsecond of the server's time, so the value stays below the clock.
  * The floor is the server's time in microseconds when locks were found
- * possibly missing (see script_mark in provider_redis.c): a restart that
+ * possibly missing (see script_mark in redis_guard.c): a restart that
  * lost data or rolled it back to a snapshot, a marker gone.  Every fence
  * issued before that is below the floor, so a counter the server restored
  * (older, or none) is drawn anew from the clock, above every fence before
@@ -106,7 +106,7 @@
  *
  * The ttl record is the longest ttl any client asked for, kept for a day
  * after the last refresh; it is read whenever the guard may hold.  The
- * restart marker (HASH run, dur, start, floor; see provider_redis.c) says
+ * restart marker (HASH run, dur, start, floor; see redis_guard.c) says
  * since when, in server ms, the server may lack locks that old holders
  * still believe they hold (0: it lacks none), and the fence floor.  While
  * start + the guard is ahead of the server clock nothing is granted: the

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -167,4 +168,10 @@ kl__redis_wipe(void *p, size_t n)
 
 	while (n-- > 0)
 		*v++ = 0;
+}
+
+size_t
+kl__redis_num(char *buf, size_t size, int64_t v)
+{
+	return (size_t)snprintf(buf, size, "%" PRId64, v);
 }
