@@ -307,9 +307,10 @@ KL_RHIDDEN void kl__redis_lease_unref(struct kl__rlease *l);
  * valid. */
 KL_RHIDDEN int64_t kl__redis_drift_ns(int64_t ttl_ms);
 
-/* redis_pool.c.  A new connection, checked against the restart marker, or
- * a pooled one (conn_get), made by cap_ns; KL_OK, KL_EPROVIDER,
- * KL_ENOMEM. */
+/* redis_pool.c.  A new connection, checked against the restart marker
+ * (kl__redis_mark_server); or a pooled one, else a new one
+ * (kl__redis_conn_get).
+ * Made by cap_ns.  KL_OK, KL_EPROVIDER, KL_ENOMEM. */
 KL_RHIDDEN int kl__redis_conn_new(struct kl__redis *r, int64_t cap_ns,
 				  struct kl__rconn **out, kl_error *err);
 KL_RHIDDEN int kl__redis_conn_get(struct kl__redis *r, int64_t cap_ns,
@@ -347,9 +348,11 @@ KL_RHIDDEN void kl__redis_leave_anyway(struct kl__redis *r,
 /* Compare-and-delete with l's token: *released when the key was ours. */
 KL_RHIDDEN int kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l,
 				     bool *released, kl_error *err);
-/* The first attempt of an acquire, and the wait in the queue after it:
- * KL_OK (*granted: the key is l's, *fence its fence, *sent_ns when the
- * attempt that got it was sent) or a KL_E* status. */
+/* The first attempt of an acquire (a pooled connection found dead is
+ * replaced once): KL_OK with *granted, and *fence when granted; *sent_ns
+ * is when the attempt was sent.  Not granted, kl__redis_wait_queued waits
+ * in the queue: KL_OK (granted), KL_ETIMEDOUT, KL_ECANCELED or
+ * KL_EPROVIDER. */
 KL_RHIDDEN int kl__redis_first_attempt(struct kl__redis *r,
 				       struct kl__rconn **cp,
 				       struct kl__rlease *l, bool try_only,
