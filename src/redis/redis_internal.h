@@ -309,8 +309,8 @@ KL_RHIDDEN int64_t kl__redis_drift_ns(int64_t ttl_ms);
 
 /* redis_pool.c.  A new connection, checked against the restart marker
  * (kl__redis_mark_server); or a pooled one, else a new one
- * (kl__redis_conn_get).
- * Made by cap_ns.  KL_OK, KL_EPROVIDER, KL_ENOMEM. */
+ * (kl__redis_conn_get).  Made by cap_ns.  KL_OK, KL_EPROVIDER,
+ * KL_ENOMEM. */
 KL_RHIDDEN int kl__redis_conn_new(struct kl__redis *r, int64_t cap_ns,
 				  struct kl__rconn **out, kl_error *err);
 KL_RHIDDEN int kl__redis_conn_get(struct kl__redis *r, int64_t cap_ns,
