@@ -3,7 +3,7 @@
  * TLS for the Redis provider (rediss://), with OpenSSL.
  *
  * hiredis is used for building commands and parsing replies only (see
- * redis_conn.c), so its own TLS layer (hiredis_ssl, missing from hiredis
+ * redis_io.c), so its own TLS layer (hiredis_ssl, missing from hiredis
  * 0.14 anyway) would not be in the path: the session is OpenSSL's, over a
  * BIO of our own that sends with MSG_NOSIGNAL (a closed connection must not
  * raise SIGPIPE) and that can be made not to block, so that the handshake
@@ -39,7 +39,7 @@
 #include "redis_internal.h"
 
 #ifndef MSG_NOSIGNAL
-/* redis_conn.c blocks SIGPIPE around its writes there. */
+/* redis_io.c blocks SIGPIPE around its writes there. */
 #define MSG_NOSIGNAL 0
 #endif
 

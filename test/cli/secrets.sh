@@ -225,8 +225,8 @@ done
 echo "0644 password file: $(head -n 1 "$ERR")"
 
 # 5. Restricted ACL users: the rule of kl_redis_provider_open(3), then only
-# the commands the provider sends (src/redis/redis_conn.c, src/redis/provider_redis.c)
-# and its key prefix.
+# the commands the provider sends (src/redis/redis_conn.c, redis_scripts.c,
+# redis_guard.c, redis_wait.c) and its key prefix.
 acl_user() {
 	local user=$1 rules=$2 reply
 	reply=$(redis_send "ACL SETUSER $user reset on >$ACLPW $rules") ||

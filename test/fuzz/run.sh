@@ -79,9 +79,11 @@ fuzz() {
 		maxlen=4096 # programs of a few hundred operations
 	fi
 	if [ "$t" = fuzz_resp ]; then
-		# the Redis provider, compiled in, and hiredis
-		tsrcs=("$ROOT"/src/redis/provider_redis.c "$ROOT"/src/redis/redis_conn.c
-			"$ROOT"/src/redis/redis_config.c "$ROOT"/src/redis/redis_sha256.c)
+		# the Redis provider, compiled in (every src/redis/*.c, as
+		# libkeylock-redis in Makefile.am; TLS only below), and hiredis
+		for f in "$ROOT"/src/redis/*.c; do
+			[ "${f##*/}" = redis_tls.c ] || tsrcs+=("$f")
+		done
 		read -r -a tlibs <<<"$(pkg-config --cflags --libs hiredis 2>/dev/null ||
 			echo -I/usr/include/hiredis -lhiredis)"
 		# TLS (rediss://) when the build has it

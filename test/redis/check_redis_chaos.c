@@ -911,7 +911,7 @@ cmd_get(redisContext *c, const char *key, char *buf, size_t size)
 /* T23: ownership                                                      */
 
 /* One of the provider's scripts, run with token tok on a connection of
- * the provider's own code (src/redis/redis_conn.c). */
+ * the provider's own code (src/redis/redis_conn.c, redis_scripts.c). */
 static redisReply *
 script(struct kl__rconn *c, enum kl__redis_script id, const char *prefix,
        const char *key, const char *tok, const char *num)

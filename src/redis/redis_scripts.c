@@ -1,0 +1,323 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * The Lua scripts of the Redis provider, and how a connection runs them:
+ * EVALSHA with the digest that SCRIPT LOAD gave when the connection was
+ * made (redis_conn.c), and EVAL with the text when the server has lost its
+ * script cache.  The data model, and the invariants the scripts keep, are
+ * described above them.
+ */
+#include "config.h"
+
+#include <stdio.h>
+#include <string.h>
+
+#include "redis_internal.h"
+
+/*
+ * Data of one lock key, all under PREFIX{SHA256(key)} so that a Redis
+ * Cluster hash tag would keep them in one slot:
+ *   PREFIX{h}        the holder's random token, with PX = its ttl
+ *   PREFIX{h}:q      ZSET of waiter tokens, score = arrival rank (FIFO)
+ *   PREFIX{h}:hb     HASH waiter token -> heartbeat deadline (server ms)
+ *   PREFIX{h}:f      the last fence handed out
+ *   PREFIX{h}:w:TOK  LIST a waiter blocks on (BLPOP) to be woken
+ *
+ * Invariants kept by running every change as one script (atomic):
+ * - the key is granted only when no token holds it and the caller is the
+ *   first live waiter, or nobody live waits: strict FIFO, no barging;
+ * - a waiter is live while its heartbeat deadline is ahead of the server
+ *   clock; dead ones are removed when met at the head, so a waiter that died
+ *   blocks the others at most for its heartbeat;
+ * - only the owner's token deletes or extends the key (compare-and-delete,
+ *   compare-and-PEXPIRE);
+ * - whoever frees the key (release, a waiter leaving) wakes the first live
+ *   waiter; waiters also re-check on a timer, so a lost wake-up only delays;
+ * - the fence is a counter started from the server's time in microseconds,
+ *   started anew from it after a restart that may have lost or rolled back
+ *   counters (see NEXT_FENCE): it grows with every grant, whatever the
+ *   server restored;
+ * - no grant while the restart guard holds (see script_attempt);
+ * - the queue, heartbeats and wake lists expire by themselves (PEXPIRE at
+ *   twice the heartbeat, refreshed by live waiters), so nothing is left
+ *   behind by clients that died.
+ * Numbers are written with %.0f: Lua's default formatting would turn a
+ * 16-digit microsecond count into an exponent.
+ */
+#define PRELUDE                                                            \
+	"local t = redis.call('TIME')\n"                                   \
+	"local now = tonumber(t[1]) * 1000 + "                             \
+	"math.floor(tonumber(t[2]) / 1000)\n"                              \
+	"local function head(lock, q, hb)\n"                               \
+	"  while true do\n"                                                \
+	"    local h = redis.call('ZRANGE', q, 0, 0)[1]\n"                 \
+	"    if not h then return nil end\n"                               \
+	"    if tonumber(redis.call('HGET', hb, h) or '0') > now then\n"   \
+	"      return h\n"                                                 \
+	"    end\n"                                                        \
+	"    redis.call('ZREM', q, h)\n"                                   \
+	"    redis.call('HDEL', hb, h)\n"                                  \
+	"    redis.call('DEL', lock .. ':w:' .. h)\n"                      \
+	"  end\n"                                                          \
+	"end\n"                                                            \
+	"local function wake(lock, h, ms)\n"                               \
+	"  local w = lock .. ':w:' .. h\n"                                 \
+	"  if redis.call('LLEN', w) == 0 then\n"                           \
+	"    redis.call('LPUSH', w, '1')\n"                                \
+	"    redis.call('PEXPIRE', w, ms)\n"                               \
+	"  end\n"                                                          \
+	"end\n"
+
+/* The next fence of KEYS[4], whose key lives ARGV[5] ms from its creation:
+ * the counter's next value, or the server's time in microseconds when
+ * there was no counter (new key, expired) or the counter is not above the
+ * marker's floor.  A counter started from the clock at T counts at most
+ * one per grant, and a grant takes two scripts, far more than a
+ * microsecond of the server's time, so the value stays below the clock.
+ * The floor is the server's time in microseconds when locks were found
+ * possibly missing (see script_mark in redis_guard.c): a restart that
+ * lost data or rolled it back to a snapshot, a marker gone.  Every fence
+ * issued before that is below the floor, so a counter the server restored
+ * (older, or none) is drawn anew from the clock, above every fence before
+ * it, as long as the clock does not go back.  INCR keeps the key's
+ * expiry, so the fast path costs one command; only a new counter pays
+ * TIME and SET. */
+#define NEXT_FENCE                                                         \
+	"  local fence = redis.call('INCR', KEYS[4])\n"                     \
+	"  if fence == 1 or fence <= floor then\n"                          \
+	"    local ft = redis.call('TIME')\n"                               \
+	"    fence = string.format('%.0f', tonumber(ft[1]) * 1000000 + "    \
+	"tonumber(ft[2]))\n"                                                \
+	"    redis.call('SET', KEYS[4], fence, 'PX', ARGV[5])\n"            \
+	"  end\n"
+
+/* KEYS: lock, q, hb, f, own wake list, the restart marker, the ttl
+ * record.  ARGV: token, ttl ms, heartbeat ms, mode ("try": never queue;
+ * "join": join the queue, a first attempt; "wait": stay in the queue, the
+ * caller may have joined it before), ms to keep the fence and the ttl
+ * record, the restart guard in ms (-1: off), "1" when the guard is at
+ * least the ttl record, "1" to raise the ttl record to our ttl and renew
+ * its expiry (the client does so now and then: it spares the fast path
+ * two commands).  Returns {1, fence, record} when granted (also when the
+ * key is already ours: a retry after a lost reply), else {0, rank or -1,
+ * record, ms the restart guard still holds}; the record is 0 when it was
+ * not read.  A retry sets the ttl again: the caller counts the lease from
+ * when it sent the retry, so the key must not expire a ttl after the
+ * first, unanswered attempt.
+ *
+ * The ttl record is the longest ttl any client asked for, kept for a day
+ * after the last refresh; it is read whenever the guard may hold.  The
+ * restart marker (HASH run, dur, start, floor; see redis_guard.c) says
+ * since when, in server ms, the server may lack locks that old holders
+ * still believe they hold (0: it lacks none), and the fence floor.  While
+ * start + the guard is ahead of the server clock nothing is granted: the
+ * caller queues and waits as behind a holder.  A marker that vanished
+ * while the server ran (FLUSHALL, DEL) took the locks with it: the guard
+ * and the floor run from now.
+ *
+ * Fast path, the uncontended case: no queue key means nobody waits (Redis
+ * deletes a queue emptied by its last ZREM, and a queue that expired had
+ * only dead waiters), so a free key is granted by SET NX at once, without
+ * the queue, heartbeat and wake keys.  Only a "wait" caller (its queue
+ * expired meanwhile) also drops its heartbeat and wake list.  Anything
+ * else (held, ours already, a queue, the guard) takes the full way
+ * below. */
+static const char script_attempt[] =
+	"local tok = ARGV[1]\n"
+	"local rec = 0\n"
+	"if ARGV[8] == '1' then\n"
+	"  rec = tonumber(redis.call('GET', KEYS[7]) or '0')\n"
+	"  if rec < tonumber(ARGV[2]) then\n"
+	"    rec = tonumber(ARGV[2])\n"
+	"    redis.call('SET', KEYS[7], ARGV[2], 'PX', ARGV[5])\n"
+	"  elseif redis.call('PTTL', KEYS[7]) < tonumber(ARGV[5]) / 2 then\n"
+	"    redis.call('PEXPIRE', KEYS[7], ARGV[5])\n"
+	"  end\n"
+	"end\n"
+	"local left = 0\n"
+	"local need = tonumber(ARGV[6])\n"
+	"local mk = redis.call('HMGET', KEYS[6], 'start', 'floor')\n"
+	"local gs = mk[1]\n"
+	"local floor = tonumber(mk[2] or '0')\n"
+	"if not gs or (need > 0 and gs ~= '0') then\n"
+	"  local gt = redis.call('TIME')\n"
+	"  local gnow = tonumber(gt[1]) * 1000 + "
+	"math.floor(tonumber(gt[2]) / 1000)\n"
+	"  if not gs then\n"
+	"    gs = string.format('%.0f', gnow)\n"
+	"    floor = tonumber(gt[1]) * 1000000 + tonumber(gt[2])\n"
+	"    redis.call('HSET', KEYS[6], 'run', '?', 'dur', '0', 'start', gs,\n"
+	"               'floor', string.format('%.0f', floor))\n"
+	"  end\n"
+	"  if ARGV[7] == '1' then\n"
+	"    if ARGV[8] ~= '1' then\n"
+	"      rec = tonumber(redis.call('GET', KEYS[7]) or '0')\n"
+	"    end\n"
+	"    if rec > need then need = rec end\n"
+	"  end\n"
+	"  if need > 0 then left = tonumber(gs) + need - gnow end\n"
+	"end\n"
+	"if left <= 0 and redis.call('EXISTS', KEYS[2]) == 0 and\n"
+	"   redis.call('SET', KEYS[1], tok, 'NX', 'PX', ARGV[2]) then\n"
+	NEXT_FENCE
+	"  if ARGV[4] == 'wait' then\n"
+	"    redis.call('HDEL', KEYS[3], tok)\n"
+	"    redis.call('DEL', KEYS[5])\n"
+	"  end\n"
+	"  return {1, fence, rec}\n"
+	"end\n"
+	"if left < 0 then left = 0 end\n"
+	PRELUDE
+	"local hbms = tonumber(ARGV[3])\n"
+	"local holder = redis.call('GET', KEYS[1])\n"
+	"if holder == tok then\n"
+	"  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
+	"  return {1, redis.call('GET', KEYS[4]) or '0', rec}\n"
+	"end\n"
+	"local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
+	"if not holder and (not h or h == tok) and left == 0 then\n"
+	NEXT_FENCE
+	"  redis.call('SET', KEYS[1], tok, 'PX', ARGV[2])\n"
+	"  redis.call('ZREM', KEYS[2], tok)\n"
+	"  redis.call('HDEL', KEYS[3], tok)\n"
+	"  redis.call('DEL', KEYS[5])\n"
+	"  return {1, fence, rec}\n"
+	"end\n"
+	"if ARGV[4] == 'try' then return {0, -1, rec, left} end\n"
+	"if not redis.call('ZSCORE', KEYS[2], tok) then\n"
+	"  local last = redis.call('ZRANGE', KEYS[2], -1, -1, 'WITHSCORES')\n"
+	"  local score = 1\n"
+	"  if last[2] then score = tonumber(last[2]) + 1 end\n"
+	"  redis.call('ZADD', KEYS[2], string.format('%.0f', score), tok)\n"
+	"end\n"
+	"redis.call('HSET', KEYS[3], tok, string.format('%.0f', now + hbms))\n"
+	"local keep = hbms * 2\n"
+	"for _, k in ipairs({KEYS[2], KEYS[3]}) do\n"
+	"  if redis.call('PTTL', k) < keep then\n"
+	"    redis.call('PEXPIRE', k, keep)\n"
+	"  end\n"
+	"end\n"
+	"if not holder and h and h ~= tok and left == 0 then\n"
+	"  wake(KEYS[1], h, keep)\n"
+	"end\n"
+	"return {0, redis.call('ZRANK', KEYS[2], tok), rec, left}\n";
+
+/* KEYS: lock, q, hb.  ARGV: token, heartbeat ms.  Deletes the key only if
+ * the token holds it and wakes the next waiter; returns 1, else 0.  With
+ * no queue key nobody waits: GET, DEL and EXISTS, no wake-up work. */
+static const char script_release[] =
+	"if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end\n"
+	"redis.call('DEL', KEYS[1])\n"
+	"if redis.call('EXISTS', KEYS[2]) == 0 then return 1 end\n"
+	PRELUDE
+	"local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
+	"if h then wake(KEYS[1], h, tonumber(ARGV[2]) * 2) end\n"
+	"return 1\n";
+
+/* KEYS: lock, q, hb, own wake list.  ARGV: token, heartbeat ms.  A waiter
+ * giving up: leaves the queue and, if the key came to it after all (a lost
+ * reply), releases it; wakes the next waiter when the key is free.  Returns
+ * 1 when it released the key, else 0. */
+static const char script_leave[] =
+	PRELUDE
+	"redis.call('ZREM', KEYS[2], ARGV[1])\n"
+	"redis.call('HDEL', KEYS[3], ARGV[1])\n"
+	"redis.call('DEL', KEYS[4])\n"
+	"local r = 0\n"
+	"local holder = redis.call('GET', KEYS[1])\n"
+	"if holder == ARGV[1] then\n"
+	"  redis.call('DEL', KEYS[1])\n"
+	"  r = 1\n"
+	"  holder = false\n"
+	"end\n"
+	"if not holder then\n"
+	"  local h = head(KEYS[1], KEYS[2], KEYS[3])\n"
+	"  if h then wake(KEYS[1], h, tonumber(ARGV[2]) * 2) end\n"
+	"end\n"
+	"return r\n";
+
+/* KEYS: lock.  ARGV: token, ttl ms.  Extends the key only if the token
+ * holds it: 1, else 0. */
+static const char script_renew[] =
+	"if redis.call('GET', KEYS[1]) == ARGV[1] then\n"
+	"  redis.call('PEXPIRE', KEYS[1], ARGV[2])\n"
+	"  return 1\n"
+	"end\n"
+	"return 0\n";
+
+/* KEYS: lock, q, hb.  Returns {holders, live waiters}; changes nothing. */
+static const char script_status[] =
+	"local t = redis.call('TIME')\n"
+	"local now = tonumber(t[1]) * 1000 + "
+	"math.floor(tonumber(t[2]) / 1000)\n"
+	"local w = 0\n"
+	"for _, m in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do\n"
+	"  if tonumber(redis.call('HGET', KEYS[3], m) or '0') > now then\n"
+	"    w = w + 1\n"
+	"  end\n"
+	"end\n"
+	"return {redis.call('EXISTS', KEYS[1]), w}\n";
+
+
+const char *const kl__redis_scripts[KL_RS_COUNT] = {
+	[KL_RS_ATTEMPT] = script_attempt,
+	[KL_RS_RELEASE] = script_release,
+	[KL_RS_LEAVE] = script_leave,
+	[KL_RS_RENEW] = script_renew,
+	[KL_RS_STATUS] = script_status,
+};
+
+#define MAX_SCRIPT_ARGS 16
+
+int
+kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
+		 enum kl__redis_script id, int nkeys, const char **keys,
+		 const size_t *klens, int nargs, const char **args,
+		 const size_t *alens, redisReply **reply, kl_error *err)
+{
+	const char *argv[3 + MAX_SCRIPT_ARGS];
+	size_t lens[3 + MAX_SCRIPT_ARGS];
+	char nk[12];
+	int argc = 0, rc;
+
+	*reply = NULL;
+	if (nkeys + nargs > MAX_SCRIPT_ARGS)
+		return KL_EINVAL;
+	snprintf(nk, sizeof nk, "%d", nkeys);
+	argv[argc] = "EVALSHA";
+	lens[argc++] = 7;
+	argv[argc] = c->sha[id];
+	lens[argc++] = strlen(c->sha[id]);
+	argv[argc] = nk;
+	lens[argc++] = strlen(nk);
+	for (int i = 0; i < nkeys; i++, argc++) {
+		argv[argc] = keys[i];
+		lens[argc] = klens[i];
+	}
+	for (int i = 0; i < nargs; i++, argc++) {
+		argv[argc] = args[i];
+		lens[argc] = alens[i];
+	}
+	rc = kl__rconn_command(c, deadline_ns, argc, argv, lens, reply, err);
+	if (rc == KL_OK && (*reply)->type == REDIS_REPLY_ERROR &&
+	    strncmp((*reply)->str, "NOSCRIPT", 8) == 0) {
+		/* The server lost its script cache (SCRIPT FLUSH): send the
+		 * text, which also caches it again. */
+		freeReplyObject(*reply);
+		argv[0] = "EVAL";
+		lens[0] = 4;
+		argv[1] = kl__redis_scripts[id];
+		lens[1] = strlen(kl__redis_scripts[id]);
+		rc = kl__rconn_command(c, deadline_ns, argc, argv, lens, reply,
+				       err);
+	}
+	if (rc == KL_OK && (*reply)->type == REDIS_REPLY_ERROR) {
+		kl__redis_error(err, KL_EPROVIDER,
+				"redis provider: the server refused a "
+				"script: %.160s",
+				(*reply)->str);
+		freeReplyObject(*reply);
+		*reply = NULL;
+		return KL_EPROVIDER;
+	}
+	return rc;
+}
