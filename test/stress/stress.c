@@ -621,6 +621,23 @@ st_rss_kib(void)
 
 /* ------------------------------------------------------------------ */
 
+int
+st_outcome(int rc)
+{
+	switch (rc) {
+	case KL_OK:
+		return 0;
+	case KL_ETIMEDOUT:
+		return 1;
+	case KL_ECANCELED:
+		return 2;
+	case KL_EOVERFLOW:
+		return 3;
+	default:
+		return -1;
+	}
+}
+
 void
 st_slot_init(struct st_slot *s)
 {

@@ -111,6 +111,10 @@ uint64_t st_below(struct st_rng *r, uint64_t n);
 /* A random permutation of 0..n-1 into v. */
 void st_shuffle(struct st_rng *r, int *v, int n);
 
+/* Where a wait's status is counted: 0 KL_OK, 1 KL_ETIMEDOUT, 2
+ * KL_ECANCELED, 3 KL_EOVERFLOW; -1 for any other (a bad one). */
+int st_outcome(int rc);
+
 /* A worker's cancellation token, which other workers may fire. */
 struct st_slot {
 	pthread_mutex_t mu;

@@ -133,28 +133,15 @@ outcome(struct h_worker *w, int rc, int64_t timeout, int64_t t0,
 	bool overflow_ok)
 {
 	struct hunt *h = w->h;
+	int i = st_outcome(rc);
 
-	switch (rc) {
-	case KL_OK:
-		w->outcomes[0]++;
-		break;
-	case KL_ETIMEDOUT:
-		w->outcomes[1]++;
-		if (timeout > 0 && now_ns() - t0 < timeout * ST_MS)
-			atomic_fetch_add(&h->early, 1);
-		break;
-	case KL_ECANCELED:
-		w->outcomes[2]++;
-		break;
-	case KL_EOVERFLOW:
-		w->outcomes[3]++;
-		if (!overflow_ok)
-			atomic_fetch_add(&h->bad, 1);
-		break;
-	default:
+	if (i >= 0)
+		w->outcomes[i]++;
+	if (i < 0 || (rc == KL_EOVERFLOW && !overflow_ok))
 		atomic_fetch_add(&h->bad, 1);
-		break;
-	}
+	else if (rc == KL_ETIMEDOUT && timeout > 0 &&
+		 now_ns() - t0 < timeout * ST_MS)
+		atomic_fetch_add(&h->early, 1);
 }
 
 /* Fires the token of a worker picked at random. */

@@ -209,23 +209,12 @@ op_end(struct s_worker *w)
 static void
 outcome(struct s_worker *w, int rc)
 {
-	switch (rc) {
-	case KL_OK:
-		w->outcomes[0]++;
-		break;
-	case KL_ETIMEDOUT:
-		w->outcomes[1]++;
-		break;
-	case KL_ECANCELED:
-		w->outcomes[2]++;
-		break;
-	case KL_EOVERFLOW:
-		w->outcomes[3]++;
-		break;
-	default:
+	int i = st_outcome(rc);
+
+	if (i >= 0)
+		w->outcomes[i]++;
+	else
 		atomic_fetch_add(&w->s->bad, 1);
-		break;
-	}
 }
 
 /* Fires the token of a worker picked at random. */
