@@ -40,6 +40,43 @@ extern char **environ;
 
 #define TEST_STACK_SIZE (512 * 1024)
 
+int
+test_run_suite(Suite *s)
+{
+	SRunner *sr = srunner_create(s);
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+TCase *
+test_tcase(Suite *s, const char *name, double timeout, void (*setup)(void),
+	   void (*teardown)(void))
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, timeout);
+	if (setup != NULL || teardown != NULL)
+		tcase_add_checked_fixture(tc, setup, teardown);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
+void
+test_provider_dir(void)
+{
+	const char *top = getenv("top_builddir");
+	char dir[PATH_MAX];
+
+	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
+		snprintf(dir, sizeof dir, "%s/src/.libs", top);
+		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
+	}
+}
+
 double
 kl_test_scale(void)
 {

@@ -14,6 +14,7 @@
 #ifndef KL_TEST_UTIL_H
 #define KL_TEST_UTIL_H
 
+#include <check.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
@@ -39,6 +40,16 @@ int64_t now_ns(void);
 /* Removes the tree at path (nftw, not following links); 0, else -1 at
  * the first entry that could not be removed. */
 int test_remove_tree(const char *path);
+/* Runs the suite (CK_ENV) and frees its runner; EXIT_SUCCESS when no
+ * test failed, else EXIT_FAILURE. */
+int test_run_suite(Suite *s);
+/* A test case of s with a timeout (seconds) and a checked fixture (setup
+ * and teardown may be NULL). */
+TCase *test_tcase(Suite *s, const char *name, double timeout,
+		  void (*setup)(void), void (*teardown)(void));
+/* Run by hand from the build tree: the providers are loaded from
+ * $top_builddir/src/.libs unless KEYLOCK_PROVIDER_DIR says otherwise. */
+void test_provider_dir(void);
 /* Lets time pass (only for durations under test, never to order threads). */
 void test_sleep_ms(int64_t ms);
 /* One step of a polling loop: sched_yield at first, short naps later. */

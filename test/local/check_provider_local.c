@@ -3094,12 +3094,9 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
+	TCase *tc = test_tcase(s, name, timeout, setup, teardown);
 
-	tcase_set_timeout(tc, timeout);
 	tcase_add_unchecked_fixture(tc, root_setup, root_teardown);
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
 	return tc;
 }
 
@@ -3199,11 +3196,5 @@ provider_local_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(provider_local_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(provider_local_suite());
 }

@@ -2042,9 +2042,7 @@ provider_pg_suite(void)
 int
 main(void)
 {
-	SRunner *sr;
 	PGconn *c;
-	int failed;
 
 	g_uri = getenv("KEYLOCK_TEST_PG_URI");
 	if (g_uri == NULL || g_uri[0] == '\0') {
@@ -2064,9 +2062,5 @@ main(void)
 		return 77;
 	}
 	PQfinish(c);
-	sr = srunner_create(provider_pg_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(provider_pg_suite());
 }

@@ -1847,12 +1847,7 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
-
-	tcase_set_timeout(tc, timeout);
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
-	return tc;
+	return test_tcase(s, name, timeout, setup, teardown);
 }
 
 static Suite *
@@ -1915,11 +1910,8 @@ provider_redis_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
 	redisContext *c;
 	long long pid;
-	SRunner *sr;
-	int failed;
 
 	g_uri = getenv("KEYLOCK_TEST_REDIS_URI");
 	if (g_uri == NULL || g_uri[0] == '\0') {
@@ -1940,16 +1932,6 @@ main(void)
 	redisFree(c);
 	if (info_try("process_id", &pid))
 		g_server_pid = (pid_t)pid;
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
-	sr = srunner_create(provider_redis_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	test_provider_dir();
+	return test_run_suite(provider_redis_suite());
 }

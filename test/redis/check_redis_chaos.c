@@ -2810,13 +2810,10 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
 	double scale = kl_test_scale();
 
-	tcase_set_timeout(tc, (double)timeout * (scale > 1 ? scale : 1));
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
-	return tc;
+	return test_tcase(s, name, (double)timeout * (scale > 1 ? scale : 1),
+			  setup, teardown);
 }
 
 static Suite *
@@ -2854,9 +2851,6 @@ redis_chaos_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
-	SRunner *sr;
-	int failed;
 
 	srandom((unsigned)getpid() ^ (unsigned)now_ns());
 	g_server_bin = getenv("KEYLOCK_TEST_REDIS_SERVER");
@@ -2866,17 +2860,7 @@ main(void)
 		       "redis-server (tools/test --only redis sets it)\n");
 		return 77;
 	}
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
+	test_provider_dir();
 	setvbuf(stdout, NULL, _IOLBF, 0);
-	sr = srunner_create(redis_chaos_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(redis_chaos_suite());
 }

@@ -622,18 +622,10 @@ redis_tls_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
-	SRunner *sr;
-	int failed;
+	int rc;
 
 	srandom((unsigned)getpid() ^ (unsigned)now_ns());
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
+	test_provider_dir();
 	setvbuf(stdout, NULL, _IOLBF, 0);
 #ifdef HAVE_REDIS_TLS
 	const char *tmp = getenv("TMPDIR");
@@ -665,12 +657,9 @@ main(void)
 	       "certificates), files in %s\n",
 	       g_port, g_port_mtls, g_dir);
 #endif
-	sr = srunner_create(redis_tls_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
+	rc = test_run_suite(redis_tls_suite());
 #ifdef HAVE_REDIS_TLS
 	stop_servers();
 #endif
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return rc;
 }
