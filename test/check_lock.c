@@ -1503,7 +1503,7 @@ fn_loses(kl_lease *lease, void *arg)
 
 	if (kl_lease_valid(lease) && kl_lease_fence(lease) == u->fence)
 		r |= 1;
-	atomic_store(&u->valid, false); /* the renewal failed, say */
+	test_up_set_valid(u, false); /* the renewal failed, say */
 	if (!kl_lease_valid(lease))
 		r |= 2;
 	return r;

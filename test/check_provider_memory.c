@@ -502,9 +502,7 @@ START_TEST(test_user_provider_gets_arguments)
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
 	ck_assert_uint_eq(kl_lease_fence(lease), 43);
 	ck_assert(kl_lease_valid(lease));
-	pthread_mutex_lock(&u.mu);
-	u.valid = false;
-	pthread_mutex_unlock(&u.mu);
+	test_up_set_valid(&u, false);
 	ck_assert(!kl_lease_valid(lease));
 	ck_assert_str_eq(kl_lease_key(lease), "user-key");
 	kl_lease_release(lease);
@@ -560,7 +558,7 @@ START_TEST(test_user_provider_optional_members)
 	ops.name = NULL;
 	p = test_up_provider(&u, &ops);
 	ops.acquire = NULL; /* ops was copied */
-	u.valid = false;
+	test_up_set_valid(&u, false);
 	l = lock_on(p, "opt", KL_FOREVER);
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
 	ck_assert(kl_lease_valid(lease));

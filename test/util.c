@@ -1047,9 +1047,13 @@ static bool
 test_up_valid(void *impl, void *lease)
 {
 	struct test_up *u = impl;
+	bool v;
 
 	(void)lease;
-	return atomic_load(&u->valid);
+	pthread_mutex_lock(&u->mu);
+	v = u->valid;
+	pthread_mutex_unlock(&u->mu);
+	return v;
 }
 
 static void
@@ -1077,8 +1081,16 @@ test_up_init(struct test_up *u, uint64_t fence)
 	memset(u, 0, sizeof *u);
 	pthread_mutex_init(&u->mu, NULL);
 	pthread_cond_init(&u->cv, NULL);
-	atomic_init(&u->valid, true);
+	u->valid = true;
 	u->fence = fence;
+}
+
+void
+test_up_set_valid(struct test_up *u, bool valid)
+{
+	pthread_mutex_lock(&u->mu);
+	u->valid = valid;
+	pthread_mutex_unlock(&u->mu);
 }
 
 void

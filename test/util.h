@@ -280,7 +280,7 @@ struct test_up {
 	int acquires, releases, destroys;
 	void *released_lease;
 	uint64_t fence;     /* the last one handed out */
-	atomic_bool valid;  /* what its valid operation reports */
+	bool valid;         /* what valid reports: test_up_set_valid */
 	int acquire_status, release_status; /* forced failures */
 	char lease_cookie;
 };
@@ -288,6 +288,9 @@ extern const kl_provider_ops test_up_ops;
 /* Initialises u: valid, not held, the first fence handed out fence + 1. */
 void test_up_init(struct test_up *u, uint64_t fence);
 void test_up_fini(struct test_up *u);
+/* What u's valid operation reports from now on (under u->mu, which
+ * helgrind sees, unlike C11 atomics). */
+void test_up_set_valid(struct test_up *u, bool valid);
 /* kl_provider_new(ops, u) that must succeed. */
 kl_provider *test_up_provider(struct test_up *u, const kl_provider_ops *ops);
 
