@@ -550,11 +550,5 @@ cancel_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(cancel_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(cancel_suite());
 }

@@ -429,14 +429,7 @@ hash_suite(void)
 int
 main(int argc, char **argv)
 {
-	SRunner *sr;
-	int failed;
-
 	if (argc == 2 && strcmp(argv[1], "--print-layout") == 0)
 		return print_layout();
-	sr = srunner_create(hash_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(hash_suite());
 }

@@ -1100,109 +1100,19 @@ END_TEST
 /* ------------------------------------------------------------------ */
 /* User providers that fail                                            */
 
-/* A tiny provider over a pthread mutex and a flag, one lock for all keys,
- * whose acquire or release can be told to fail. */
-struct up {
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
-	bool held;
-	int acquires, releases;
-	int acquire_status, release_status;
-	uint64_t fence;    /* the last one handed out */
-	atomic_bool lost;  /* what its valid operation reports */
-	char lease_cookie;
-};
-
-static int
-up_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
-	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
-	   uint64_t *fence, kl_error *err)
-{
-	struct up *u = impl;
-	int rc = KL_OK;
-
-	(void)key;
-	(void)key_len;
-	(void)cancel;
-	(void)ttl_ms;
-	(void)flags;
-	pthread_mutex_lock(&u->mu);
-	u->acquires++;
-	if (u->acquire_status != KL_OK) {
-		rc = u->acquire_status;
-		if (err != NULL) {
-			err->status = rc;
-			snprintf(err->message, sizeof err->message,
-				 "up: server on fire");
-		}
-	} else if (u->held && timeout_ms == 0) {
-		rc = KL_ETIMEDOUT;
-	} else {
-		while (u->held)
-			pthread_cond_wait(&u->cv, &u->mu);
-		u->held = true;
-		*lease = &u->lease_cookie;
-		*fence = ++u->fence;
-	}
-	pthread_mutex_unlock(&u->mu);
-	return rc;
-}
-
-static int
-up_release(void *impl, void *lease, kl_error *err)
-{
-	struct up *u = impl;
-	int rc;
-
-	(void)lease;
-	pthread_mutex_lock(&u->mu);
-	u->releases++;
-	u->held = false;
-	pthread_cond_broadcast(&u->cv);
-	rc = u->release_status;
-	pthread_mutex_unlock(&u->mu);
-	if (rc != KL_OK && err != NULL) {
-		err->status = rc;
-		snprintf(err->message, sizeof err->message, "up: lost it");
-	}
-	return rc;
-}
-
-static bool
-up_valid(void *impl, void *lease)
-{
-	struct up *u = impl;
-
-	(void)lease;
-	return !atomic_load(&u->lost);
-}
-
-static const kl_provider_ops up_ops = {
-	.struct_size = sizeof(kl_provider_ops),
-	.name = "up",
-	.acquire = up_acquire,
-	.release = up_release,
-	.valid = up_valid,
-};
-
+/* The user provider of util.h, fences from 1. */
 static kl_provider *
-up_new(struct up *u)
+up_new(struct test_up *u)
 {
-	kl_provider *p = NULL;
-
-	memset(u, 0, sizeof *u);
-	pthread_mutex_init(&u->mu, NULL);
-	pthread_cond_init(&u->cv, NULL);
-	ck_assert_int_eq(kl_provider_new(&p, &up_ops, u), KL_OK);
-	return p;
+	test_up_init(u, 0);
+	return test_up_provider(u, &test_up_ops);
 }
 
 static void
-up_free(struct up *u, kl_provider *p)
+up_free(struct test_up *u, kl_provider *p)
 {
 	kl_provider_free(p);
-	pthread_cond_destroy(&u->cv);
-	pthread_mutex_destroy(&u->mu);
+	test_up_fini(u);
 }
 
 START_TEST(test_release_failure_event)
@@ -1210,7 +1120,7 @@ START_TEST(test_release_failure_event)
 	kl_lease *lease = NULL;
 	struct evlog g;
 	kl_provider *p;
-	struct up u;
+	struct test_up u;
 	kl_lock *l;
 	int v = 5, res = 0;
 
@@ -1244,7 +1154,7 @@ START_TEST(test_acquire_failure_provider)
 	struct evlog g;
 	kl_provider *p;
 	kl_error err;
-	struct up u;
+	struct test_up u;
 	kl_lock *l;
 
 	evlog_init(&g);
@@ -1588,12 +1498,12 @@ END_TEST
 static int
 fn_loses(kl_lease *lease, void *arg)
 {
-	struct up *u = arg;
+	struct test_up *u = arg;
 	int r = 0;
 
 	if (kl_lease_valid(lease) && kl_lease_fence(lease) == u->fence)
 		r |= 1;
-	atomic_store(&u->lost, true); /* the renewal failed, say */
+	test_up_set_valid(u, false); /* the renewal failed, say */
 	if (!kl_lease_valid(lease))
 		r |= 2;
 	return r;
@@ -1604,7 +1514,7 @@ START_TEST(test_run_lease_provider)
 	struct evlog g;
 	struct seen s;
 	kl_provider *p;
-	struct up u;
+	struct test_up u;
 	kl_lock *l;
 	int res = 0;
 
@@ -1662,7 +1572,7 @@ START_TEST(test_run_lease_fn_releases)
 	kl_provider *p = private_provider();
 	struct evlog g;
 	kl_lock *locks[2];
-	struct up u;
+	struct test_up u;
 	kl_provider *up;
 	kl_lock *ul;
 
@@ -2001,11 +1911,5 @@ lock_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(lock_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(lock_suite());
 }

@@ -23,6 +23,7 @@
 
 #include "internal.h" /* kl__test_fail_alloc_at only */
 #include "keylock.h"
+#include "util.h"
 
 #ifndef KL_TEST_HOOKS
 #error "check_oom needs -DKL_TEST_HOOKS and a library built with the hooks"
@@ -36,7 +37,7 @@
 #define SENTINEL ((void *)&sentinel_storage)
 static char sentinel_storage;
 
-struct ctx {
+struct oom_ctx {
 	/* Set up before arming, freed by teardown. */
 	kl_provider *provider;
 	kl_registry *registry;
@@ -52,62 +53,12 @@ struct ctx {
 	int fn_result;
 };
 
-struct scenario {
-	const char *name;
-	void (*setup)(struct ctx *x);
-	/* The armed part: returns its status; with KL_OK its outputs are
-	 * kept for teardown, otherwise they were checked to be NULL. */
-	int (*run)(struct ctx *x);
-	/* Checks the state after a KL_ENOMEM (test's thread). */
-	void (*check_failed)(struct ctx *x);
-	void (*teardown)(struct ctx *x);
-};
-
 static void
-sweep(const struct scenario *s)
+sweep(const struct oom_scenario *s)
 {
-	long k, n = 0, failures = 0;
-	int rc, first;
+	long n, failures;
 
-	for (k = 1; k <= MAX_K; k++) {
-		struct ctx x, y;
-
-		memset(&x, 0, sizeof x);
-		if (s->setup != NULL)
-			s->setup(&x);
-		kl__test_fail_alloc_at(k);
-		rc = first = s->run(&x);
-		n = kl__test_fail_alloc_at(0);
-		ck_assert_msg(rc == KL_OK || rc == KL_ENOMEM,
-			      "%s, k=%ld: %s", s->name, k, kl_strerror(rc));
-		if (rc == KL_ENOMEM) {
-			ck_assert_msg(n >= k,
-				      "%s, k=%ld: KL_ENOMEM after %ld "
-				      "allocations, none failed",
-				      s->name, k, n);
-			failures++;
-			if (s->check_failed != NULL)
-				s->check_failed(&x);
-		}
-		s->teardown(&x);
-
-		/* The same again with no failure succeeds. */
-		memset(&y, 0, sizeof y);
-		if (s->setup != NULL)
-			s->setup(&y);
-		rc = s->run(&y);
-		ck_assert_msg(rc == KL_OK, "%s, k=%ld: the repeat gave %s",
-			      s->name, k, kl_strerror(rc));
-		s->teardown(&y);
-
-		if (first == KL_OK && n < k)
-			break;
-	}
-	ck_assert_msg(k <= MAX_K, "%s: no success within %d allocations",
-		      s->name, MAX_K);
-	/* Not vacuous: every scenario allocates, so at least k = 1 failed. */
-	ck_assert_msg(failures > 0, "%s: no allocation was ever failed",
-		      s->name);
+	test_oom_sweep(s, sizeof(struct oom_ctx), MAX_K, &n, &failures);
 	fprintf(stderr, "%s: %ld allocations, %ld runs failed\n", s->name, n,
 		failures);
 }
@@ -116,7 +67,7 @@ sweep(const struct scenario *s)
 /* Objects                                                             */
 
 static int
-run_mutex_new(struct ctx *x)
+run_mutex_new(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
 	int rc;
@@ -130,7 +81,7 @@ run_mutex_new(struct ctx *x)
 }
 
 static void
-teardown_mutex(struct ctx *x)
+teardown_mutex(struct oom_ctx *x)
 {
 	kl_token t;
 
@@ -144,7 +95,7 @@ teardown_mutex(struct ctx *x)
 
 START_TEST(test_oom_mutex_new)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_mutex_new",
 		.run = run_mutex_new,
 		.teardown = teardown_mutex,
@@ -155,7 +106,7 @@ START_TEST(test_oom_mutex_new)
 END_TEST
 
 static int
-run_reset_event_new(struct ctx *x)
+run_reset_event_new(struct oom_ctx *x)
 {
 	kl_reset_opts o = KL_RESET_OPTS_INIT;
 	int rc;
@@ -169,7 +120,7 @@ run_reset_event_new(struct ctx *x)
 }
 
 static void
-teardown_reset_event(struct ctx *x)
+teardown_reset_event(struct oom_ctx *x)
 {
 	if (x->e != NULL)
 		ck_assert_int_eq(kl_reset_event_wait(x->e, 0, NULL), KL_OK);
@@ -178,7 +129,7 @@ teardown_reset_event(struct ctx *x)
 
 START_TEST(test_oom_reset_event_new)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_reset_event_new",
 		.run = run_reset_event_new,
 		.teardown = teardown_reset_event,
@@ -189,7 +140,7 @@ START_TEST(test_oom_reset_event_new)
 END_TEST
 
 static int
-run_cancel_new(struct ctx *x)
+run_cancel_new(struct oom_ctx *x)
 {
 	int rc;
 
@@ -201,7 +152,7 @@ run_cancel_new(struct ctx *x)
 }
 
 static void
-teardown_cancel(struct ctx *x)
+teardown_cancel(struct oom_ctx *x)
 {
 	if (x->c != NULL) {
 		kl_cancel_fire(x->c);
@@ -212,7 +163,7 @@ teardown_cancel(struct ctx *x)
 
 START_TEST(test_oom_cancel_new)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_cancel_new",
 		.run = run_cancel_new,
 		.teardown = teardown_cancel,
@@ -223,7 +174,7 @@ START_TEST(test_oom_cancel_new)
 END_TEST
 
 static int
-run_cancel_new_timeout(struct ctx *x)
+run_cancel_new_timeout(struct oom_ctx *x)
 {
 	int rc;
 
@@ -238,7 +189,7 @@ run_cancel_new_timeout(struct ctx *x)
 
 START_TEST(test_oom_cancel_new_timeout)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_cancel_new_timeout",
 		.run = run_cancel_new_timeout,
 		.teardown = teardown_cancel,
@@ -249,7 +200,7 @@ START_TEST(test_oom_cancel_new_timeout)
 END_TEST
 
 static int
-run_cancel_new_timeout_zero(struct ctx *x)
+run_cancel_new_timeout_zero(struct oom_ctx *x)
 {
 	int rc;
 
@@ -264,7 +215,7 @@ run_cancel_new_timeout_zero(struct ctx *x)
 
 START_TEST(test_oom_cancel_new_timeout_zero)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_cancel_new_timeout(0)",
 		.run = run_cancel_new_timeout_zero,
 		.teardown = teardown_cancel,
@@ -278,7 +229,7 @@ END_TEST
 /* Registry                                                            */
 
 static int
-run_registry_set_opts(struct ctx *x)
+run_registry_set_opts(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT, got;
 	int rc;
@@ -302,7 +253,7 @@ run_registry_set_opts(struct ctx *x)
 }
 
 static void
-check_registry_failed(struct ctx *x)
+check_registry_failed(struct oom_ctx *x)
 {
 	kl_queue_opts got;
 
@@ -315,14 +266,14 @@ check_registry_failed(struct ctx *x)
 }
 
 static void
-teardown_registry(struct ctx *x)
+teardown_registry(struct oom_ctx *x)
 {
 	kl_registry_free(x->registry);
 }
 
 START_TEST(test_oom_registry_set_opts)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_registry_new + kl_named_set_opts",
 		.run = run_registry_set_opts,
 		.check_failed = check_registry_failed,
@@ -336,20 +287,20 @@ END_TEST
 static int
 count_fn(void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	x->fn_calls++;
 	return 42;
 }
 
 static void
-setup_registry(struct ctx *x)
+setup_registry(struct oom_ctx *x)
 {
 	ck_assert_int_eq(kl_registry_new(&x->registry), KL_OK);
 }
 
 static int
-run_named_run(struct ctx *x)
+run_named_run(struct oom_ctx *x)
 {
 	int rc;
 
@@ -367,7 +318,7 @@ run_named_run(struct ctx *x)
 }
 
 static void
-check_named_run_failed(struct ctx *x)
+check_named_run_failed(struct oom_ctx *x)
 {
 	ck_assert(!kl_named_exists(x->registry, "beta"));
 	ck_assert(!kl_named_is_locked(x->registry, "beta"));
@@ -375,7 +326,7 @@ check_named_run_failed(struct ctx *x)
 
 START_TEST(test_oom_named_run)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_named_run",
 		.setup = setup_registry,
 		.run = run_named_run,
@@ -391,7 +342,7 @@ END_TEST
 /* Providers and locks                                                 */
 
 static int
-run_memory_provider_new(struct ctx *x)
+run_memory_provider_new(struct oom_ctx *x)
 {
 	int rc;
 
@@ -405,14 +356,14 @@ run_memory_provider_new(struct ctx *x)
 }
 
 static void
-teardown_provider(struct ctx *x)
+teardown_provider(struct oom_ctx *x)
 {
 	kl_provider_free(x->p);
 }
 
 START_TEST(test_oom_memory_provider_new)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_memory_provider_new",
 		.run = run_memory_provider_new,
 		.teardown = teardown_provider,
@@ -423,7 +374,7 @@ START_TEST(test_oom_memory_provider_new)
 END_TEST
 
 static int
-run_lock_new(struct ctx *x)
+run_lock_new(struct oom_ctx *x)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	char key[] = "a key that is copied";
@@ -440,14 +391,14 @@ run_lock_new(struct ctx *x)
 }
 
 static void
-teardown_lock(struct ctx *x)
+teardown_lock(struct oom_ctx *x)
 {
 	kl_lock_free(x->lock);
 	kl_provider_free(x->provider);
 }
 
 static void
-teardown_lock_new(struct ctx *x)
+teardown_lock_new(struct oom_ctx *x)
 {
 	kl_lease *lease;
 
@@ -462,7 +413,7 @@ teardown_lock_new(struct ctx *x)
 }
 
 static void
-setup_lock_new(struct ctx *x)
+setup_lock_new(struct oom_ctx *x)
 {
 	/* The shared provider exists before arming. */
 	ck_assert_ptr_nonnull(kl_memory_provider());
@@ -471,7 +422,7 @@ setup_lock_new(struct ctx *x)
 
 START_TEST(test_oom_lock_new)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_new",
 		.setup = setup_lock_new,
 		.run = run_lock_new,
@@ -484,7 +435,7 @@ END_TEST
 
 /* A private provider and a lock without a key, made before arming. */
 static void
-setup_provider_lock(struct ctx *x)
+setup_provider_lock(struct oom_ctx *x)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 
@@ -494,7 +445,7 @@ setup_provider_lock(struct ctx *x)
 }
 
 static int
-run_lock_acquire(struct ctx *x)
+run_lock_acquire(struct oom_ctx *x)
 {
 	kl_call call = { .key = "gamma", .cancel = NULL };
 	int rc;
@@ -517,7 +468,7 @@ run_lock_acquire(struct ctx *x)
 }
 
 static void
-check_provider_empty(struct ctx *x)
+check_provider_empty(struct oom_ctx *x)
 {
 	/* No entry was left behind for the key. */
 	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
@@ -525,7 +476,7 @@ check_provider_empty(struct ctx *x)
 
 START_TEST(test_oom_lock_acquire)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_acquire + kl_lease_release",
 		.setup = setup_provider_lock,
 		.run = run_lock_acquire,
@@ -538,7 +489,7 @@ START_TEST(test_oom_lock_acquire)
 END_TEST
 
 static int
-run_lock_run(struct ctx *x)
+run_lock_run(struct oom_ctx *x)
 {
 	kl_call call = { .key = "delta", .cancel = NULL };
 	int rc;
@@ -559,7 +510,7 @@ run_lock_run(struct ctx *x)
 
 START_TEST(test_oom_lock_run)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_run",
 		.setup = setup_provider_lock,
 		.run = run_lock_run,
@@ -574,7 +525,7 @@ END_TEST
 static int
 lease_fn(kl_lease *lease, void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	x->fn_calls++;
 	/* fn is only called once the key is held: its lease is whole. */
@@ -587,7 +538,7 @@ lease_fn(kl_lease *lease, void *arg)
 
 /* A key too long for a slot, so that its entry is allocated. */
 static int
-run_lock_run_lease(struct ctx *x)
+run_lock_run_lease(struct oom_ctx *x)
 {
 	kl_call call = {
 		.key = "epsilon: a key longer than sixteen bytes",
@@ -613,7 +564,7 @@ run_lock_run_lease(struct ctx *x)
 
 START_TEST(test_oom_lock_run_lease)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_run_lease",
 		.setup = setup_provider_lock,
 		.run = run_lock_run_lease,
@@ -639,7 +590,7 @@ count_event(const kl_event *ev, void *arg)
 /* As setup_provider_lock, with an event hook: the lease lent to fn is
  * then on run's stack, not in the key's entry. */
 static void
-setup_provider_hooked_lock(struct ctx *x)
+setup_provider_hooked_lock(struct oom_ctx *x)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 
@@ -651,7 +602,7 @@ setup_provider_hooked_lock(struct ctx *x)
 }
 
 static int
-run_lock_run_lease_hooked(struct ctx *x)
+run_lock_run_lease_hooked(struct oom_ctx *x)
 {
 	int rc = run_lock_run_lease(x);
 
@@ -662,7 +613,7 @@ run_lock_run_lease_hooked(struct ctx *x)
 
 START_TEST(test_oom_lock_run_lease_hooked)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_run_lease with an event hook",
 		.setup = setup_provider_hooked_lock,
 		.run = run_lock_run_lease_hooked,
@@ -733,11 +684,5 @@ oom_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(oom_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(oom_suite());
 }

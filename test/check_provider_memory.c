@@ -18,7 +18,6 @@
 
 #include <check.h>
 #include <dlfcn.h>
-#include <ftw.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -392,16 +391,6 @@ START_TEST(test_open_postgresql_needs_library)
 }
 END_TEST
 
-static int
-remove_entry(const char *path, const struct stat *sb, int flag,
-	     struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
-
 /* The local provider is not built yet: KL_EPROVIDER with a message.  Once
  * it is, a working provider is just as right. */
 START_TEST(test_open_local)
@@ -426,7 +415,7 @@ START_TEST(test_open_local)
 		ck_assert_int_eq(err.status, KL_EPROVIDER);
 		ck_assert(err.message[0] != '\0');
 	}
-	nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	test_remove_tree(dir);
 }
 END_TEST
 
@@ -449,7 +438,7 @@ START_TEST(test_open_scheme_case)
 		      err.message);
 	ck_assert_int_eq(run_once(p, "pm:LOCAL"), KL_OK);
 	kl_provider_free(p);
-	nftw(dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+	test_remove_tree(dir);
 	open_needs_library("REDIS://localhost:6379/0", "libkeylock-redis");
 	open_needs_library("PostgreSQL://x", "libkeylock-pg");
 }
@@ -466,141 +455,7 @@ END_TEST
 /* ------------------------------------------------------------------ */
 /* User providers                                                      */
 
-/* A tiny provider: one lock (a flag under a pthread mutex) for every key,
- * recording what the library passed it. */
-struct up {
-	pthread_mutex_t mu;
-	pthread_cond_t cv;
-	bool held;
-	/* What the last acquire was given. */
-	char key[64];
-	size_t key_len;
-	kl_cancel *cancel;
-	int64_t timeout_ms, ttl_ms;
-	unsigned flags;
-	/* Counts and results. */
-	int acquires, releases, destroys;
-	void *released_lease;
-	uint64_t next_fence;
-	bool valid;
-	int acquire_status, release_status; /* forced failures */
-	char lease_cookie;
-};
-
-static int
-up_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
-	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
-	   uint64_t *fence, kl_error *err)
-{
-	struct up *u = impl;
-	int rc = KL_OK;
-
-	pthread_mutex_lock(&u->mu);
-	u->acquires++;
-	u->key_len = key_len;
-	snprintf(u->key, sizeof u->key, "%s", key);
-	u->cancel = cancel;
-	u->timeout_ms = timeout_ms;
-	u->ttl_ms = ttl_ms;
-	u->flags = flags;
-	if (u->acquire_status != KL_OK) {
-		rc = u->acquire_status;
-		if (err != NULL) {
-			err->status = rc;
-			snprintf(err->message, sizeof err->message,
-				 "up: server on fire");
-		}
-	} else if (u->held && timeout_ms == 0) {
-		rc = KL_ETIMEDOUT;
-	} else {
-		while (u->held)
-			pthread_cond_wait(&u->cv, &u->mu);
-		u->held = true;
-		*lease = &u->lease_cookie;
-		*fence = ++u->next_fence;
-	}
-	pthread_mutex_unlock(&u->mu);
-	return rc;
-}
-
-static int
-up_release(void *impl, void *lease, kl_error *err)
-{
-	struct up *u = impl;
-	int rc;
-
-	pthread_mutex_lock(&u->mu);
-	u->releases++;
-	u->released_lease = lease;
-	u->held = false;
-	pthread_cond_broadcast(&u->cv);
-	rc = u->release_status;
-	pthread_mutex_unlock(&u->mu);
-	if (rc != KL_OK && err != NULL) {
-		err->status = rc;
-		snprintf(err->message, sizeof err->message, "up: lost it");
-	}
-	return rc;
-}
-
-static bool
-up_valid(void *impl, void *lease)
-{
-	struct up *u = impl;
-	bool v;
-
-	(void)lease;
-	pthread_mutex_lock(&u->mu);
-	v = u->valid;
-	pthread_mutex_unlock(&u->mu);
-	return v;
-}
-
-static void
-up_destroy(void *impl)
-{
-	struct up *u = impl;
-
-	pthread_mutex_lock(&u->mu);
-	u->destroys++;
-	pthread_mutex_unlock(&u->mu);
-}
-
-static const kl_provider_ops up_ops = {
-	.struct_size = sizeof(kl_provider_ops),
-	.name = "up",
-	.acquire = up_acquire,
-	.release = up_release,
-	.valid = up_valid,
-	.destroy = up_destroy,
-};
-
-static void
-up_init(struct up *u)
-{
-	memset(u, 0, sizeof *u);
-	pthread_mutex_init(&u->mu, NULL);
-	pthread_cond_init(&u->cv, NULL);
-	u->valid = true;
-	u->next_fence = 41;
-}
-
-static void
-up_fini(struct up *u)
-{
-	pthread_cond_destroy(&u->cv);
-	pthread_mutex_destroy(&u->mu);
-}
-
-static kl_provider *
-up_provider(struct up *u, const kl_provider_ops *ops)
-{
-	kl_provider *p = NULL;
-
-	ck_assert_int_eq(kl_provider_new(&p, ops, u), KL_OK);
-	ck_assert_ptr_nonnull(p);
-	return p;
-}
+/* test_up of util.h, its fences from 42 on. */
 
 START_TEST(test_user_provider_gets_arguments)
 {
@@ -611,11 +466,11 @@ START_TEST(test_user_provider_gets_arguments)
 	kl_lease *lease = NULL;
 	kl_lock *l;
 	kl_cancel *c;
-	struct up u;
+	struct test_up u;
 	int res = 0;
 
-	up_init(&u);
-	p = up_provider(&u, &up_ops);
+	test_up_init(&u, 41);
+	p = test_up_provider(&u, &test_up_ops);
 	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
 	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
 
@@ -647,9 +502,7 @@ START_TEST(test_user_provider_gets_arguments)
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
 	ck_assert_uint_eq(kl_lease_fence(lease), 43);
 	ck_assert(kl_lease_valid(lease));
-	pthread_mutex_lock(&u.mu);
-	u.valid = false;
-	pthread_mutex_unlock(&u.mu);
+	test_up_set_valid(&u, false);
 	ck_assert(!kl_lease_valid(lease));
 	ck_assert_str_eq(kl_lease_key(lease), "user-key");
 	kl_lease_release(lease);
@@ -685,7 +538,7 @@ START_TEST(test_user_provider_gets_arguments)
 	kl_provider_free(p);
 	ck_assert_int_eq(u.destroys, 1);
 	kl_cancel_free(c);
-	up_fini(&u);
+	test_up_fini(&u);
 }
 END_TEST
 
@@ -693,19 +546,19 @@ END_TEST
  * nothing to destroy. */
 START_TEST(test_user_provider_optional_members)
 {
-	kl_provider_ops ops = up_ops;
+	kl_provider_ops ops = test_up_ops;
 	kl_provider *p;
 	kl_lease *lease = NULL;
 	kl_lock *l;
-	struct up u;
+	struct test_up u;
 
-	up_init(&u);
+	test_up_init(&u, 41);
 	ops.valid = NULL;
 	ops.destroy = NULL;
 	ops.name = NULL;
-	p = up_provider(&u, &ops);
+	p = test_up_provider(&u, &ops);
 	ops.acquire = NULL; /* ops was copied */
-	u.valid = false;
+	test_up_set_valid(&u, false);
 	l = lock_on(p, "opt", KL_FOREVER);
 	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
 	ck_assert(kl_lease_valid(lease));
@@ -715,7 +568,7 @@ START_TEST(test_user_provider_optional_members)
 	kl_lock_free(l);
 	kl_provider_free(p);
 	ck_assert_int_eq(u.destroys, 0);
-	up_fini(&u);
+	test_up_fini(&u);
 }
 END_TEST
 
@@ -723,28 +576,28 @@ static void
 new_fails(const kl_provider_ops *ops)
 {
 	kl_provider *p = (kl_provider *)&p;
-	struct up u;
+	struct test_up u;
 
-	up_init(&u);
+	test_up_init(&u, 41);
 	ck_assert_int_eq(kl_provider_new(&p, ops, &u), KL_EINVAL);
 	ck_assert_ptr_null(p);
-	up_fini(&u);
+	test_up_fini(&u);
 }
 
 START_TEST(test_user_provider_bad_ops)
 {
 	kl_provider_ops ops;
 
-	ops = up_ops;
+	ops = test_up_ops;
 	ops.acquire = NULL;
 	new_fails(&ops);
-	ops = up_ops;
+	ops = test_up_ops;
 	ops.release = NULL;
 	new_fails(&ops);
-	ops = up_ops;
+	ops = test_up_ops;
 	ops.struct_size = 0;
 	new_fails(&ops);
-	ops = up_ops;
+	ops = test_up_ops;
 	ops.struct_size = 1;
 	new_fails(&ops);
 	new_fails(NULL);
@@ -789,11 +642,5 @@ provider_memory_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(provider_memory_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(provider_memory_suite());
 }

@@ -662,11 +662,5 @@ registry_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(registry_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(registry_suite());
 }

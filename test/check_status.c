@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "keylock.h"
+#include "util.h"
 
 static const int all_codes[] = {
 	KL_OK,	      KL_ETIMEDOUT, KL_ECANCELED, KL_EOVERFLOW, KL_ENOKEY,
@@ -269,11 +270,5 @@ status_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(status_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(status_suite());
 }

@@ -1514,11 +1514,5 @@ table_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(table_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(table_suite());
 }

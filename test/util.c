@@ -15,12 +15,67 @@
 
 #include <check.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <inttypes.h>
+#include <limits.h>
+#include <poll.h>
 #include <sched.h>
+#include <signal.h>
+#include <spawn.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#if defined(__linux__)
+#include <sys/prctl.h>
+#endif
 #include <time.h>
+#include <unistd.h>
+
+extern char **environ;
 
 #define TEST_STACK_SIZE (512 * 1024)
+
+int
+test_run_suite(Suite *s)
+{
+	SRunner *sr = srunner_create(s);
+	int failed;
+
+	srunner_run_all(sr, CK_ENV);
+	failed = srunner_ntests_failed(sr);
+	srunner_free(sr);
+	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+}
+
+TCase *
+test_tcase(Suite *s, const char *name, double timeout, void (*setup)(void),
+	   void (*teardown)(void))
+{
+	TCase *tc = tcase_create(name);
+
+	tcase_set_timeout(tc, timeout);
+	if (setup != NULL || teardown != NULL)
+		tcase_add_checked_fixture(tc, setup, teardown);
+	suite_add_tcase(s, tc);
+	return tc;
+}
+
+void
+test_provider_dir(void)
+{
+	const char *top = getenv("top_builddir");
+	char dir[PATH_MAX];
+
+	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
+		snprintf(dir, sizeof dir, "%s/src/.libs", top);
+		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
+	}
+}
 
 double
 kl_test_scale(void)
@@ -64,6 +119,22 @@ now_ms(void)
 	return now_ns() / 1000000;
 }
 
+static int
+remove_entry(const char *path, const struct stat *sb, int flag,
+	     struct FTW *ftw)
+{
+	(void)sb;
+	(void)flag;
+	(void)ftw;
+	return remove(path);
+}
+
+int
+test_remove_tree(const char *path)
+{
+	return nftw(path, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 void
 test_sleep_ms(int64_t ms)
 {
@@ -87,18 +158,26 @@ test_relax(unsigned *spins)
 		nanosleep(&ts, NULL);
 }
 
-void
-test_poll(bool (*cond)(void *arg), void *arg, const char *what)
+bool
+test_poll_for(bool (*cond)(void *arg), void *arg, int64_t limit_ms)
 {
-	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
+	int64_t limit = now_ns() + limit_ms * 1000000;
 	unsigned spins = 0;
 
 	while (!cond(arg)) {
-		if (now_ms() > limit)
-			ck_abort_msg("still waiting for %s after %d ms", what,
-				     TEST_POLL_LIMIT_MS);
+		if (now_ns() > limit)
+			return cond(arg);
 		test_relax(&spins);
 	}
+	return true;
+}
+
+void
+test_poll(bool (*cond)(void *arg), void *arg, const char *what)
+{
+	if (!test_poll_for(cond, arg, TEST_POLL_LIMIT_MS))
+		ck_abort_msg("still waiting for %s after %d ms", what,
+			     TEST_POLL_LIMIT_MS);
 }
 
 void
@@ -120,6 +199,45 @@ test_thread_join(pthread_t t)
 	int rc = pthread_join(t, NULL);
 
 	ck_assert_msg(rc == 0, "pthread_join: %s", strerror(rc));
+}
+
+struct bounded_run {
+	void (*fn)(void *arg);
+	void *arg;
+	atomic_bool done;
+};
+
+static void *
+bounded_main(void *arg)
+{
+	struct bounded_run *b = arg;
+
+	b->fn(b->arg);
+	atomic_store(&b->done, true);
+	return NULL;
+}
+
+static bool
+bounded_done(void *arg)
+{
+	return atomic_load(&((struct bounded_run *)arg)->done);
+}
+
+void
+test_run_bounded(void (*fn)(void *arg), void *arg, const char *what)
+{
+	/* Leaked when the test fails: the thread may still use it. */
+	struct bounded_run *b = calloc(1, sizeof *b);
+	pthread_t th;
+
+	ck_assert_ptr_nonnull(b);
+	b->fn = fn;
+	b->arg = arg;
+	atomic_init(&b->done, false);
+	test_thread_start(&th, bounded_main, b);
+	test_poll(bounded_done, b, what);
+	test_thread_join(th);
+	free(b);
 }
 
 void
@@ -182,12 +300,28 @@ queue_is(void *arg)
 	return len == c->n;
 }
 
-void
-test_wait_mutex_queue(kl_mutex *m, size_t n)
+bool
+test_poll_mutex_queue(kl_mutex *m, size_t n, int64_t limit_ms)
 {
 	struct queue_cond c = { .m = m, .n = n };
 
-	test_poll(queue_is, &c, "the mutex queue size");
+	return test_poll_for(queue_is, &c, limit_ms);
+}
+
+bool
+test_poll_event_queue(kl_reset_event *e, size_t n, int64_t limit_ms)
+{
+	struct queue_cond c = { .e = e, .n = n };
+
+	return test_poll_for(queue_is, &c, limit_ms);
+}
+
+void
+test_wait_mutex_queue(kl_mutex *m, size_t n)
+{
+	ck_assert_msg(test_poll_mutex_queue(m, n, TEST_POLL_LIMIT_MS),
+		      "still waiting for the mutex queue size after %d ms",
+		      TEST_POLL_LIMIT_MS);
 	ck_assert_uint_eq(kl_mutex_queue_size(m), n);
 }
 
@@ -220,9 +354,10 @@ test_prods(void)
 void
 test_wait_event_queue(kl_reset_event *e, size_t n)
 {
-	struct queue_cond c = { .e = e, .n = n };
-
-	test_poll(queue_is, &c, "the reset event queue size");
+	ck_assert_msg(test_poll_event_queue(e, n, TEST_POLL_LIMIT_MS),
+		      "still waiting for the reset event queue size after "
+		      "%d ms",
+		      TEST_POLL_LIMIT_MS);
 	ck_assert_uint_eq(kl_reset_event_queue_size(e), n);
 }
 
@@ -498,3 +633,582 @@ tw_waited_ns(const struct tw_group *g, int i)
 {
 	return g->w[i].end_ns - g->w[i].start_ns;
 }
+
+/* ------------------------------------------------------------------ */
+/* Provider status                                                     */
+
+kl_provider *
+test_provider_open(const char *uri)
+{
+	kl_provider *p = NULL;
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_open(&p, uri, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_open(%s): %s: %s", uri,
+		      kl_strerror(rc), err.message);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+void
+test_status_of(kl_provider *p, const char *key, size_t *holders,
+	       size_t *waiters)
+{
+	kl_error err;
+	int rc;
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_status(p, key, holders, waiters, &err);
+	ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
+		      kl_strerror(rc), err.message);
+}
+
+void
+test_assert_status(kl_provider *p, const char *key, size_t holders,
+		   size_t waiters)
+{
+	size_t h, w;
+
+	test_status_of(p, key, &h, &w);
+	ck_assert_msg(h == holders && w == waiters,
+		      "key '%s': %zu holders and %zu waiters, expected %zu "
+		      "and %zu",
+		      key, h, w, holders, waiters);
+}
+
+void
+test_wait_status(kl_provider *p, const char *key, size_t holders,
+		 size_t waiters, int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+	size_t last_h = SIZE_MAX, last_w = SIZE_MAX;
+	unsigned spins = 0;
+	size_t h, w;
+
+	for (;;) {
+		test_status_of(p, key, &h, &w);
+		if (h == holders && w == waiters)
+			return;
+		if (h != last_h || w != last_w) {
+			last_h = h;
+			last_w = w;
+			limit = now_ms() + limit_ms;
+		}
+		if (now_ms() > limit)
+			ck_abort_msg("key '%s': still %zu holders and %zu "
+				     "waiters after %" PRId64 " ms, expected "
+				     "%zu and %zu",
+				     key, h, w, limit_ms, holders, waiters);
+		test_relax(&spins);
+	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Helper processes                                                    */
+
+#define TEST_MAX_HELPERS 16
+#define TEST_MAX_HELPER_ARGS 14
+
+static pid_t live_helpers[TEST_MAX_HELPERS];
+
+void
+test_live_add(pid_t pid)
+{
+	for (int i = 0; i < TEST_MAX_HELPERS; i++) {
+		if (live_helpers[i] == 0) {
+			live_helpers[i] = pid;
+			return;
+		}
+	}
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	ck_abort_msg("too many helper processes");
+}
+
+void
+test_live_remove(pid_t pid)
+{
+	for (int i = 0; i < TEST_MAX_HELPERS; i++)
+		if (live_helpers[i] == pid)
+			live_helpers[i] = 0;
+}
+
+void
+test_helpers_kill(void)
+{
+	for (int i = 0; i < TEST_MAX_HELPERS; i++) {
+		if (live_helpers[i] > 0) {
+			kill(live_helpers[i], SIGKILL);
+			waitpid(live_helpers[i], NULL, 0);
+			live_helpers[i] = 0;
+		}
+	}
+}
+
+const char *
+test_helper_path(const char *dir, const char *name, bool beside_self)
+{
+	static char path[PATH_MAX];
+	char self[PATH_MAX], *slash;
+	const char *top = getenv("top_builddir");
+	ssize_t n;
+	int len;
+
+	if (beside_self) {
+		n = readlink("/proc/self/exe", self, sizeof self - 1);
+		if (n > 0) {
+			self[n] = '\0';
+			if ((slash = strrchr(self, '/')) != NULL) {
+				*slash = '\0';
+				len = snprintf(path, sizeof path, "%s/%s",
+					       self, name);
+				if (len > 0 && (size_t)len < sizeof path &&
+				    access(path, X_OK) == 0)
+					return path;
+			}
+		}
+	}
+	len = snprintf(path, sizeof path, "%s/%s/%s",
+		       top != NULL ? top : ".", dir, name);
+	ck_assert(len > 0 && (size_t)len < sizeof path);
+	return path;
+}
+
+void
+test_helper_spawn(struct test_helper *h, const char *path,
+		  const char *const *args, char *const *envp)
+{
+	posix_spawn_file_actions_t fa;
+	char *argv[TEST_MAX_HELPER_ARGS + 2];
+	const char *base = strrchr(path, '/');
+	int in[2], out[2], rc, n = 0;
+
+	argv[n++] = (char *)(base != NULL ? base + 1 : path);
+	while (args[n - 1] != NULL) {
+		ck_assert_int_le(n, TEST_MAX_HELPER_ARGS);
+		argv[n] = (char *)args[n - 1];
+		n++;
+	}
+	argv[n] = NULL;
+	/* Close-on-exec, so that no other helper inherits these ends. */
+	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
+	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
+	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
+	rc = posix_spawn(&h->pid, path, &fa, NULL, argv,
+			 envp != NULL ? envp : environ);
+	posix_spawn_file_actions_destroy(&fa);
+	close(in[0]);
+	close(out[1]);
+	if (rc != 0) {
+		close(in[1]);
+		close(out[0]);
+		ck_abort_msg("posix_spawn %s: %s", path, strerror(rc));
+	}
+	test_live_add(h->pid);
+	h->to = in[1];
+	h->from = out[0];
+}
+
+bool
+test_helper_line(struct test_helper *h, char *buf, size_t size,
+		 int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
+	size_t n = 0;
+	ssize_t r;
+	char c;
+
+	for (;;) {
+		int64_t left = limit - now_ms();
+
+		ck_assert_msg(left > 0,
+			      "no line from helper %d after %" PRId64 " ms",
+			      (int)h->pid, limit_ms);
+		if (poll(&pfd, 1, (int)left) <= 0)
+			continue;
+		r = read(h->from, &c, 1);
+		if (r < 0 && errno == EINTR)
+			continue;
+		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
+		if (r == 0) {
+			buf[n] = '\0';
+			return false;
+		}
+		if (c == '\n')
+			break;
+		if (n + 1 < size)
+			buf[n++] = c;
+	}
+	buf[n] = '\0';
+	return true;
+}
+
+uint64_t
+test_helper_granted(struct test_helper *h, int64_t limit_ms)
+{
+	char line[300];
+	uint64_t fence = 0;
+
+	ck_assert_msg(test_helper_line(h, line, sizeof line, limit_ms),
+		      "helper %d ended without a grant", (int)h->pid);
+	ck_assert_msg(sscanf(line, "G %" SCNu64, &fence) == 1,
+		      "helper %d: %s", (int)h->pid, line);
+	return fence;
+}
+
+int
+test_helper_reap(struct test_helper *h, int64_t limit_ms)
+{
+	int64_t limit = now_ms() + limit_ms;
+	unsigned spins = 0;
+	int status = 0;
+	pid_t r;
+
+	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
+		if (now_ms() > limit)
+			ck_abort_msg("helper %d still running after %" PRId64
+				     " ms",
+				     (int)h->pid, limit_ms);
+		test_relax(&spins);
+	}
+	ck_assert_msg(r == h->pid, "waitpid: %s", strerror(errno));
+	test_live_remove(h->pid);
+	return status;
+}
+
+void
+test_helper_kill(struct test_helper *h)
+{
+	int status = 0;
+
+	ck_assert_int_eq(kill(h->pid, SIGKILL), 0);
+	ck_assert_int_eq(waitpid(h->pid, &status, 0), h->pid);
+	test_live_remove(h->pid);
+	ck_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
+}
+
+void
+test_helper_close(struct test_helper *h)
+{
+	close(h->to);
+	close(h->from);
+	h->to = h->from = -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* Servers of a suite's own                                            */
+
+int
+test_free_port(void)
+{
+	FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
+	int low = 32768, high = 60999, lo, span;
+
+	if (f != NULL) {
+		if (fscanf(f, "%d %d", &low, &high) != 2) {
+			low = 32768;
+			high = 60999;
+		}
+		fclose(f);
+	}
+	if (low >= 21000) {
+		lo = 20000; /* below the range */
+		span = low - lo;
+	} else {
+		lo = high + 1; /* above it */
+		span = 65000 - lo;
+	}
+	if (span < 100)
+		return -1;
+	for (int i = 0; i < 200; i++) {
+		struct sockaddr_in a = { .sin_family = AF_INET };
+		int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+		int port = lo + (int)(random() % span);
+		bool ok;
+
+		if (fd < 0)
+			return -1;
+		a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+		a.sin_port = htons((uint16_t)port);
+		ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+		close(fd);
+		if (ok)
+			return port;
+	}
+	return -1;
+}
+
+pid_t
+test_server_spawn(char *const *argv, bool (*ready)(void *arg), void *arg,
+		  int64_t limit_ms)
+{
+	int64_t limit;
+	pid_t pid;
+
+	pid = fork();
+	if (pid < 0)
+		return -1;
+	if (pid == 0) {
+		/* Only async-signal-safe calls until exec. */
+		int nul = open("/dev/null", O_RDWR);
+		sigset_t none;
+
+		sigemptyset(&none);
+		sigprocmask(SIG_SETMASK, &none, NULL);
+#if defined(__linux__)
+		prctl(PR_SET_PDEATHSIG, SIGKILL);
+#endif
+		if (nul >= 0) {
+			dup2(nul, 0);
+			dup2(nul, 1);
+			dup2(nul, 2);
+		}
+		execv(argv[0], argv);
+		_exit(127);
+	}
+	limit = now_ms() + limit_ms;
+	while (now_ms() < limit) {
+		if (ready(arg))
+			return pid;
+		if (waitpid(pid, NULL, WNOHANG) == pid)
+			return -1;
+		test_sleep_ms(10);
+	}
+	kill(pid, SIGKILL);
+	waitpid(pid, NULL, 0);
+	return -1;
+}
+
+/* ------------------------------------------------------------------ */
+/* A user provider                                                     */
+
+static int
+test_up_acquire(void *impl, const char *key, size_t key_len,
+		kl_cancel *cancel, int64_t timeout_ms, int64_t ttl_ms,
+		unsigned flags, void **lease, uint64_t *fence, kl_error *err)
+{
+	struct test_up *u = impl;
+	int rc = KL_OK;
+
+	pthread_mutex_lock(&u->mu);
+	u->acquires++;
+	u->key_len = key_len;
+	snprintf(u->key, sizeof u->key, "%.*s", (int)key_len, key);
+	u->cancel = cancel;
+	u->timeout_ms = timeout_ms;
+	u->ttl_ms = ttl_ms;
+	u->flags = flags;
+	if (u->acquire_status != KL_OK) {
+		rc = u->acquire_status;
+		if (err != NULL) {
+			err->status = rc;
+			snprintf(err->message, sizeof err->message,
+				 "up: server on fire");
+		}
+	} else if (u->held && timeout_ms == 0) {
+		rc = KL_ETIMEDOUT;
+	} else {
+		while (u->held)
+			pthread_cond_wait(&u->cv, &u->mu);
+		u->held = true;
+		*lease = &u->lease_cookie;
+		*fence = ++u->fence;
+	}
+	pthread_mutex_unlock(&u->mu);
+	return rc;
+}
+
+static int
+test_up_release(void *impl, void *lease, kl_error *err)
+{
+	struct test_up *u = impl;
+	int rc;
+
+	pthread_mutex_lock(&u->mu);
+	u->releases++;
+	u->released_lease = lease;
+	u->held = false;
+	pthread_cond_broadcast(&u->cv);
+	rc = u->release_status;
+	pthread_mutex_unlock(&u->mu);
+	if (rc != KL_OK && err != NULL) {
+		err->status = rc;
+		snprintf(err->message, sizeof err->message, "up: lost it");
+	}
+	return rc;
+}
+
+static bool
+test_up_valid(void *impl, void *lease)
+{
+	struct test_up *u = impl;
+	bool v;
+
+	(void)lease;
+	pthread_mutex_lock(&u->mu);
+	v = u->valid;
+	pthread_mutex_unlock(&u->mu);
+	return v;
+}
+
+static void
+test_up_destroy(void *impl)
+{
+	struct test_up *u = impl;
+
+	pthread_mutex_lock(&u->mu);
+	u->destroys++;
+	pthread_mutex_unlock(&u->mu);
+}
+
+const kl_provider_ops test_up_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "up",
+	.acquire = test_up_acquire,
+	.release = test_up_release,
+	.valid = test_up_valid,
+	.destroy = test_up_destroy,
+};
+
+void
+test_up_init(struct test_up *u, uint64_t fence)
+{
+	memset(u, 0, sizeof *u);
+	pthread_mutex_init(&u->mu, NULL);
+	pthread_cond_init(&u->cv, NULL);
+	u->valid = true;
+	u->fence = fence;
+}
+
+void
+test_up_set_valid(struct test_up *u, bool valid)
+{
+	pthread_mutex_lock(&u->mu);
+	u->valid = valid;
+	pthread_mutex_unlock(&u->mu);
+}
+
+void
+test_up_fini(struct test_up *u)
+{
+	pthread_cond_destroy(&u->cv);
+	pthread_mutex_destroy(&u->mu);
+}
+
+kl_provider *
+test_up_provider(struct test_up *u, const kl_provider_ops *ops)
+{
+	kl_provider *p = NULL;
+
+	ck_assert_int_eq(kl_provider_new(&p, ops, u), KL_OK);
+	ck_assert_ptr_nonnull(p);
+	return p;
+}
+
+/* ------------------------------------------------------------------ */
+/* Failures                                                            */
+
+void (*test_failing)(const char *expr, char *msg, size_t size);
+
+#ifdef KL_TEST_HOOKS /* only the sweeps use it */
+/* ck_assert_msg that lets test_failing see the message first. */
+#define test_check(expr, ...)                                          \
+	do {                                                           \
+		if (!(expr))                                           \
+			test_fail(#expr, __VA_ARGS__);                 \
+	} while (0)
+
+static void __attribute__((format(printf, 2, 3)))
+test_fail(const char *expr, const char *fmt, ...)
+{
+	char msg[768];
+	va_list ap;
+
+	va_start(ap, fmt);
+	vsnprintf(msg, sizeof msg, fmt, ap);
+	va_end(ap);
+	if (test_failing != NULL)
+		test_failing(expr, msg, sizeof msg);
+	ck_abort_msg("%s: %s", expr, msg);
+}
+
+/* ------------------------------------------------------------------ */
+/* Allocation-failure sweeps                                           */
+
+/* One run of s on a fresh context, with the k-th allocation failing (0:
+ * none); stores the allocations it made. */
+static int
+oom_run(const struct oom_scenario *s, struct oom_ctx *x, size_t ctx_size,
+	long k, long *allocs)
+{
+	int rc;
+
+	memset(x, 0, ctx_size);
+	if (s->setup != NULL)
+		s->setup(x);
+	kl__test_fail_alloc_at(k);
+	rc = s->run(x);
+	*allocs = kl__test_fail_alloc_at(0);
+	return rc;
+}
+
+void
+test_oom_sweep(const struct oom_scenario *s, size_t ctx_size, long max_k,
+	       long *allocs, long *failures)
+{
+	struct oom_ctx *x = calloc(1, ctx_size);
+	long k, n = 0, unused;
+	int rc, first;
+
+	ck_assert_ptr_nonnull(x);
+	*failures = 0;
+	if (s->no_alloc) {
+		rc = oom_run(s, x, ctx_size, 1, &n);
+		test_check(rc == KL_OK,
+			   "%s: %s with the first allocation failing",
+			   s->name, kl_strerror(rc));
+		test_check(n == 0, "%s: %ld allocations, none expected",
+			   s->name, n);
+		s->teardown(x);
+		free(x);
+		*allocs = 0;
+		return;
+	}
+	for (k = 1; k <= max_k; k++) {
+		rc = first = oom_run(s, x, ctx_size, k, &n);
+		test_check(rc == KL_OK || rc == KL_ENOMEM, "%s, k=%ld: %s",
+			   s->name, k, kl_strerror(rc));
+		if (rc == KL_ENOMEM) {
+			test_check(n >= k,
+				   "%s, k=%ld: KL_ENOMEM after %ld "
+				   "allocations, none failed",
+				   s->name, k, n);
+			(*failures)++;
+			if (s->check_failed != NULL)
+				s->check_failed(x);
+		}
+		s->teardown(x);
+
+		/* The same again with no failure succeeds. */
+		rc = oom_run(s, x, ctx_size, 0, &unused);
+		test_check(rc == KL_OK, "%s, k=%ld: the repeat gave %s",
+			   s->name, k, kl_strerror(rc));
+		s->teardown(x);
+
+		if (first == KL_OK && n < k)
+			break;
+	}
+	free(x);
+	test_check(k <= max_k, "%s: no success within %ld allocations",
+		   s->name, max_k);
+	/* Not vacuous: every scenario allocates, so at least k = 1 failed. */
+	test_check(*failures > 0, "%s: no allocation was ever failed",
+		   s->name);
+	*allocs = n;
+}
+#endif

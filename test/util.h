@@ -14,11 +14,13 @@
 #ifndef KL_TEST_UTIL_H
 #define KL_TEST_UTIL_H
 
+#include <check.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <sys/types.h>
 
 #include "keylock.h"
 
@@ -35,6 +37,19 @@ long kl_test_scaled(long n, long min);
 /* CLOCK_MONOTONIC in milliseconds and nanoseconds. */
 int64_t now_ms(void);
 int64_t now_ns(void);
+/* Removes the tree at path (nftw, not following links); 0, else -1 at
+ * the first entry that could not be removed. */
+int test_remove_tree(const char *path);
+/* Runs the suite (CK_ENV) and frees its runner; EXIT_SUCCESS when no
+ * test failed, else EXIT_FAILURE. */
+int test_run_suite(Suite *s);
+/* A test case of s with a timeout (seconds) and a checked fixture (setup
+ * and teardown may be NULL). */
+TCase *test_tcase(Suite *s, const char *name, double timeout,
+		  void (*setup)(void), void (*teardown)(void));
+/* Run by hand from the build tree: the providers are loaded from
+ * $top_builddir/src/.libs unless KEYLOCK_PROVIDER_DIR says otherwise. */
+void test_provider_dir(void);
 /* Lets time pass (only for durations under test, never to order threads). */
 void test_sleep_ms(int64_t ms);
 /* One step of a polling loop: sched_yield at first, short naps later. */
@@ -43,11 +58,23 @@ void test_relax(unsigned *spins);
 /* Calls cond(arg) until it returns true; fails the test (with what in the
  * message) after TEST_POLL_LIMIT_MS.  Test thread only. */
 void test_poll(bool (*cond)(void *arg), void *arg, const char *what);
+/* Calls cond(arg) until it returns true or limit_ms passed; returns its
+ * last answer.  Any thread. */
+bool test_poll_for(bool (*cond)(void *arg), void *arg, int64_t limit_ms);
+/* test_poll_for until the queue size of m (or e) is exactly n. */
+bool test_poll_mutex_queue(kl_mutex *m, size_t n, int64_t limit_ms);
+bool test_poll_event_queue(kl_reset_event *e, size_t n, int64_t limit_ms);
 
 /* pthread_create with a modest stack; fails the test on error.  Test thread
  * only. */
 void test_thread_start(pthread_t *t, void *(*fn)(void *arg), void *arg);
 void test_thread_join(pthread_t t);
+/* Runs fn(arg) in a thread and waits for it to return, failing the test
+ * after TEST_POLL_LIMIT_MS (with what in the message), so that a call
+ * that hangs fails the test instead of stalling it.  arg must outlive a
+ * failed test (the thread may still run): allocate it.  Test thread
+ * only. */
+void test_run_bounded(void (*fn)(void *arg), void *arg, const char *what);
 
 /* A lock's events, recorded: kl_lock_opts.on_event = tev_record
  * with event_arg = the recorder.  Counts per type, when the first
@@ -161,5 +188,151 @@ void tw_join_all(struct tw_group *g);
 int tw_pass(struct tw_group *g);
 /* Nanoseconds waiter i spent in its call. */
 int64_t tw_waited_ns(const struct tw_group *g, int i);
+
+/* ------------------------------------------------------------------ */
+/* Provider status                                                     */
+
+/* kl_provider_open that must succeed. */
+kl_provider *test_provider_open(const char *uri);
+/* kl_provider_status that must succeed. */
+void test_status_of(kl_provider *p, const char *key, size_t *holders,
+		    size_t *waiters);
+/* Asserts key has exactly holders and waiters now. */
+void test_assert_status(kl_provider *p, const char *key, size_t holders,
+			size_t waiters);
+/* Polls until key has exactly holders and waiters.  Any change of the
+ * counts is progress: the test fails only after limit_ms without one, so
+ * a slow queue on a loaded machine passes and a stuck one does not. */
+void test_wait_status(kl_provider *p, const char *key, size_t holders,
+		      size_t waiters, int64_t limit_ms);
+
+/* ------------------------------------------------------------------ */
+/* Helper processes                                                    */
+
+/* A helper program of a provider suite, talked to through pipes. */
+struct test_helper {
+	pid_t pid;
+	int to;   /* its stdin */
+	int from; /* its stdout */
+};
+
+/* Where the helper program name is: beside this program when beside_self
+ * and it is there, else $top_builddir/dir/name (with a libtool build, the
+ * wrapper that finds the uninstalled libraries).  A static buffer. */
+const char *test_helper_path(const char *dir, const char *name,
+			     bool beside_self);
+/* Starts path with args (NULL-terminated, after the program name, at most
+ * 14) and envp (NULL: this environment), with pipes to its stdin and from
+ * its stdout that no other helper inherits.  The child is registered for
+ * test_helpers_kill. */
+void test_helper_spawn(struct test_helper *h, const char *path,
+		       const char *const *args, char *const *envp);
+/* Reads one line into buf (without the newline); false at end of file.
+ * Fails the test when no line comes within limit_ms. */
+bool test_helper_line(struct test_helper *h, char *buf, size_t size,
+		      int64_t limit_ms);
+/* Reads the helper's "G <fence>" line; returns the fence. */
+uint64_t test_helper_granted(struct test_helper *h, int64_t limit_ms);
+/* Waits (bounded) for the helper to exit; returns its wait status.  The
+ * pipes stay open (test_helper_close). */
+int test_helper_reap(struct test_helper *h, int64_t limit_ms);
+/* SIGKILLs the helper, reaps it and asserts it died of that signal. */
+void test_helper_kill(struct test_helper *h);
+void test_helper_close(struct test_helper *h);
+/* Kills and reaps every helper still running (the fixture's teardown: a
+ * failed test leaves none behind). */
+void test_helpers_kill(void);
+/* Registers or forgets a child process for test_helpers_kill. */
+void test_live_add(pid_t pid);
+void test_live_remove(pid_t pid);
+
+/* ------------------------------------------------------------------ */
+/* Servers of a suite's own                                            */
+
+/* A loopback TCP port nothing is bound to now, below the kernel's
+ * ephemeral range (an outgoing connection could otherwise be given it
+ * while the server is down); -1 if none is found. */
+int test_free_port(void);
+/* Starts argv[0] with argv, its standard streams on /dev/null, no signal
+ * blocked and killed when this process ends; polls ready(arg) until true
+ * and returns the pid.  When the server exits first or limit_ms passes
+ * (it is killed then), or fork fails: -1.  Any thread. */
+pid_t test_server_spawn(char *const *argv, bool (*ready)(void *arg),
+			void *arg, int64_t limit_ms);
+
+/* ------------------------------------------------------------------ */
+/* A user provider                                                     */
+
+/* A tiny provider (kl_provider_new with test_up_ops): one lock, a flag
+ * under a pthread mutex, for every key; it records what the library
+ * passed it and can be told to fail acquire or release. */
+struct test_up {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	bool held;
+	/* What the last acquire was given. */
+	char key[64];
+	size_t key_len;
+	kl_cancel *cancel;
+	int64_t timeout_ms, ttl_ms;
+	unsigned flags;
+	/* Counts and results. */
+	int acquires, releases, destroys;
+	void *released_lease;
+	uint64_t fence;     /* the last one handed out */
+	bool valid;         /* what valid reports: test_up_set_valid */
+	int acquire_status, release_status; /* forced failures */
+	char lease_cookie;
+};
+extern const kl_provider_ops test_up_ops;
+/* Initialises u: valid, not held, the first fence handed out fence + 1. */
+void test_up_init(struct test_up *u, uint64_t fence);
+void test_up_fini(struct test_up *u);
+/* What u's valid operation reports from now on (under u->mu, which
+ * helgrind sees, unlike C11 atomics). */
+void test_up_set_valid(struct test_up *u, bool valid);
+/* kl_provider_new(ops, u) that must succeed. */
+kl_provider *test_up_provider(struct test_up *u, const kl_provider_ops *ops);
+
+/* ------------------------------------------------------------------ */
+/* Failures                                                            */
+
+/* Called with a failed check's expression and message (which it may add
+ * to, within size) by the helpers that a stress program runs too, before
+ * they fail the test: the stress programs add their seed, and stop the
+ * process when workers still run on the test's stack (stress.h).  NULL:
+ * nothing. */
+extern void (*test_failing)(const char *expr, char *msg, size_t size);
+
+/* ------------------------------------------------------------------ */
+/* Allocation-failure sweeps (test build only)                         */
+
+/* What one scenario works on: each program defines its own. */
+struct oom_ctx;
+
+struct oom_scenario {
+	const char *name;
+	void (*setup)(struct oom_ctx *x); /* may be NULL */
+	/* The armed part: returns its status; with KL_OK its outputs are
+	 * kept for teardown. */
+	int (*run)(struct oom_ctx *x);
+	/* Checks the state after a KL_ENOMEM (may be NULL). */
+	void (*check_failed)(struct oom_ctx *x);
+	void (*teardown)(struct oom_ctx *x);
+	bool no_alloc; /* documented to allocate nothing */
+};
+
+/*
+ * For k = 1, 2, ... fails the k-th library allocation of s's run (on a
+ * zeroed context of ctx_size bytes, set up first), which must return
+ * KL_OK or KL_ENOMEM (the latter only having tried k allocations), then
+ * runs it again without a failure, which must succeed.  Ends once a run
+ * succeeds having made fewer than k allocations; fails the test when that
+ * takes more than max_k or no run ever failed.  With s->no_alloc, one run
+ * with the first allocation failing must succeed and allocate nothing.
+ * Stores the allocations of the last run and the failed runs.
+ */
+void test_oom_sweep(const struct oom_scenario *s, size_t ctx_size,
+		    long max_k, long *allocs, long *failures);
 
 #endif /* KL_TEST_UTIL_H */

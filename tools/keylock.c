@@ -148,16 +148,24 @@ usage(void)
 	      stdout);
 }
 
+/* "keylock: MESSAGE" and a newline on stderr. */
+static void
+vnote(const char *fmt, va_list ap)
+{
+	fputs(PROG ": ", stderr);
+	vfprintf(stderr, fmt, ap);
+	fputc('\n', stderr);
+}
+
 static void
 usage_error(const char *fmt, ...)
 {
 	va_list ap;
 
-	fputs(PROG ": ", stderr);
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	vnote(fmt, ap);
 	va_end(ap);
-	fputs("\nTry '" PROG " --help' for more information.\n", stderr);
+	fputs("Try '" PROG " --help' for more information.\n", stderr);
 	exit(EXIT_USAGE);
 }
 
@@ -166,11 +174,9 @@ note(const char *fmt, ...)
 {
 	va_list ap;
 
-	fputs(PROG ": ", stderr);
 	va_start(ap, fmt);
-	vfprintf(stderr, fmt, ap);
+	vnote(fmt, ap);
 	va_end(ap);
-	fputc('\n', stderr);
 }
 
 /* s made fit for a message: control and non-ASCII bytes become '?', long

@@ -6,12 +6,7 @@
 # and the key must be free once the command has exited (issue 15, item 9).
 . "$(dirname "$0")/lib.sh"
 need_local
-PTY_RUN=$top_builddir/test/cli/pty_run
-case $PTY_RUN in
-/*) ;;
-*) PTY_RUN=$PWD/$PTY_RUN ;;
-esac
-[ -x "$PTY_RUN" ] || skip "test/cli/pty_run is not built"
+need_pty_run
 
 # The command records whether it is in the terminal's foreground, then a
 # SIGHUP, and exits 3; without one it gives up after 60 s and exits 0.
@@ -23,12 +18,8 @@ trap 'touch "$dir/hup"; exit 3' HUP
 read -r -a st <"/proc/$$/stat"
 if [ "${st[4]}" = "${st[7]}" ]; then echo yes; else echo no; fi >"$dir/fg"
 touch "$dir/started"
-i=0
-while [ $i -lt 1200 ]; do
-	sleep 0.05 &
-	wait $!
-	i=$((i + 1))
-done
+. "$dir/naps"
+naps 1200
 exit 0
 EOS
 

@@ -13,12 +13,8 @@ cat >"$TMP/catcher" <<'EOS'
 dir=$1 sig=$2
 trap 'touch "$dir/$sig.got"' "$sig"
 touch "$dir/$sig.started"
-i=0
-while [ ! -e "$dir/$sig.release" ] && [ $i -lt 1200 ]; do
-	sleep 0.05 &
-	wait $!
-	i=$((i + 1))
-done
+. "$dir/naps"
+naps 1200 "$dir/$sig.release"
 exit 0
 EOS
 
@@ -50,14 +46,7 @@ done
 
 # A signal the command does not catch ends it, and keylock reports it as
 # 128+N after releasing the key.
-bg "$KEYLOCK" "${P[@]}" k -- sh -c 'touch "$1"; exec sleep 60' sh "$TMP/usr2"
-pid=$!
-wait_file "$TMP/usr2"
-kill -USR2 "$pid"
-wait_exit "$pid"
-expect_rc $((128 + $(kill -l USR2))) "SIGUSR2 not caught by the command"
-kl "${P[@]}" -n k -- true
-expect_rc 0 "the key after the command died of SIGUSR2"
+signal_ends_command USR2 "SIGUSR2 not caught by the command"
 
 # While keylock waits, a signal that would end a process makes it leave
 # the queue and die of that signal; the holder is not disturbed.

@@ -7,12 +7,7 @@
 # terminal back.  Every step waits for a file, never for a time.
 . "$(dirname "$0")/lib.sh"
 need_local
-PTY_RUN=$top_builddir/test/cli/pty_run
-case $PTY_RUN in
-/*) ;;
-*) PTY_RUN=$PWD/$PTY_RUN ;;
-esac
-[ -x "$PTY_RUN" ] || skip "test/cli/pty_run is not built"
+need_pty_run
 
 KL="$KEYLOCK ${P[*]}"
 

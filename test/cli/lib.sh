@@ -33,6 +33,20 @@ OUT=$TMP/out
 ERR=$TMP/err
 BG=()
 
+# $TMP/naps, for the commands' scripts to source (bash): naps N [FILE]
+# sleeps N times 50 ms, in the background so that a trap runs at once,
+# or until FILE exists.
+cat >"$TMP/naps" <<'EOS'
+naps() {
+	local i=0
+	while [ $i -lt "$1" ] && { [ $# -lt 2 ] || [ ! -e "$2" ]; }; do
+		sleep 0.05 &
+		wait $!
+		i=$((i + 1))
+	done
+}
+EOS
+
 # Background keylock processes are stopped with SIGTERM (which they pass on
 # to their commands), then SIGKILL.
 cleanup() {
@@ -102,6 +116,18 @@ need_local() {
 	fi
 }
 
+# need_pty_run: sets $PTY_RUN to test/cli/pty_run (absolute), which runs a
+# command as the leader of a session on a new terminal; skips the test
+# where it is not built.
+need_pty_run() {
+	PTY_RUN=$top_builddir/test/cli/pty_run
+	case $PTY_RUN in
+	/*) ;;
+	*) PTY_RUN=$PWD/$PTY_RUN ;;
+	esac
+	[ -x "$PTY_RUN" ] || skip "test/cli/pty_run is not built"
+}
+
 now_ms() {
 	date +%s%3N
 }
@@ -167,4 +193,22 @@ release() {
 wait_exit() {
 	rc=0
 	wait "$1" || rc=$?
+}
+
+# signal_ends_command SIG WHAT: SIG to keylock while it runs a command on
+# key k that does not catch SIG: the command dies of it, keylock exits
+# with 128+N, and the key is free then.
+signal_ends_command() {
+	local sig=$1 what=$2 pid
+	# The signal at its default: a caller's ignored SIGHUP (nohup) is
+	# inherited, and keylock rightly leaves the command ignoring it.
+	bg env --default-signal="$sig" "$KEYLOCK" "${P[@]}" k -- \
+		sh -c 'touch "$1"; exec sleep 60' sh "$TMP/$sig.cmd"
+	pid=$!
+	wait_file "$TMP/$sig.cmd"
+	kill -s "$sig" "$pid"
+	wait_exit "$pid"
+	expect_rc $((128 + $(kill -l "$sig"))) "$what"
+	kl "${P[@]}" -n k -- true
+	expect_rc 0 "the key after $what"
 }

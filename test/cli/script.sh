@@ -10,12 +10,7 @@
 # SIGCHLD ignored still reports its command's exit status.
 . "$(dirname "$0")/lib.sh"
 need_local
-PTY_RUN=$top_builddir/test/cli/pty_run
-case $PTY_RUN in
-/*) ;;
-*) PTY_RUN=$PWD/$PTY_RUN ;;
-esac
-[ -x "$PTY_RUN" ] || skip "test/cli/pty_run is not built"
+need_pty_run
 command -v perl >/dev/null || skip "perl is missing"
 
 # An ignored SIGCHLD has the kernel reap the command: keylock used to exit

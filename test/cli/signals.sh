@@ -20,12 +20,8 @@ on_term() {
 }
 trap on_term TERM
 touch "$dir/started"
-i=0
-while [ $i -lt 400 ]; do
-	sleep 0.05 &
-	wait $!
-	i=$((i + 1))
-done
+. "$dir/naps"
+naps 400
 exit 0
 EOS
 
@@ -42,18 +38,8 @@ expect_rc 7 "SIGTERM passed on: the command's status"
 kl "${P[@]}" -n k -- true
 expect_rc 0 "the key after the command exited"
 
-# SIGHUP: the command dies of it, and so does keylock (128+1).  With SIGHUP
-# as it is by default: a caller's ignored SIGHUP (nohup) is inherited, and
-# keylock rightly leaves the command ignoring it.
-bg env --default-signal=HUP "$KEYLOCK" "${P[@]}" k -- \
-	sh -c 'touch "$1"; exec sleep 20' sh "$TMP/hup"
-pid=$!
-wait_file "$TMP/hup"
-kill -HUP "$pid"
-wait_exit "$pid"
-expect_rc 129 "SIGHUP passed on"
-kl "${P[@]}" -n k -- true
-expect_rc 0 "the key after SIGHUP"
+# SIGHUP: the command dies of it, and so does keylock (128+1).
+signal_ends_command HUP "SIGHUP passed on"
 
 # SIGTERM during the wait: A leaves the queue, B and C keep their order.
 hold k h

@@ -38,7 +38,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <poll.h>
@@ -97,20 +96,6 @@ static char g_root[PATH_MAX];   /* /tmp/kl-check-local.XXXXXX, 0700 */
 static char g_parent[PATH_MAX]; /* g_root/t.XXXXXX, 0700 */
 static char g_dir[PATH_MAX];    /* g_parent/state, 0700 */
 
-/* Helper processes not yet reaped, killed by the teardown. */
-#define MAX_HELPERS 16
-static pid_t g_live[MAX_HELPERS];
-
-static int
-remove_entry(const char *path, const struct stat *sb, int flag,
-	     struct FTW *ftw)
-{
-	(void)sb;
-	(void)flag;
-	(void)ftw;
-	return remove(path);
-}
-
 static void
 root_setup(void)
 {
@@ -123,7 +108,7 @@ static void
 root_teardown(void)
 {
 	if (g_root[0] != '\0')
-		nftw(g_root, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+		test_remove_tree(g_root);
 	g_root[0] = '\0';
 }
 
@@ -146,15 +131,9 @@ setup(void)
 static void
 teardown(void)
 {
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] > 0) {
-			kill(g_live[i], SIGKILL);
-			waitpid(g_live[i], NULL, 0);
-			g_live[i] = 0;
-		}
-	}
+	test_helpers_kill();
 	if (g_parent[0] != '\0')
-		nftw(g_parent, remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+		test_remove_tree(g_parent);
 	g_parent[0] = '\0';
 	g_dir[0] = '\0';
 }
@@ -212,17 +191,10 @@ static kl_provider *
 open_dir(const char *dir)
 {
 	char uri[PATH_MAX + 16];
-	kl_provider *p = NULL;
-	kl_error err;
-	int rc;
+	int n = snprintf(uri, sizeof uri, "local:%s", dir);
 
-	snprintf(uri, sizeof uri, "local:%s", dir);
-	memset(&err, 0, sizeof err);
-	rc = kl_provider_open(&p, uri, &err);
-	ck_assert_msg(rc == KL_OK, "kl_provider_open(%s): %s: %s", uri,
-		      kl_strerror(rc), err.message);
-	ck_assert_ptr_nonnull(p);
-	return p;
+	ck_assert(n > 0 && (size_t)n < sizeof uri);
+	return test_provider_open(uri);
 }
 
 /* Opening uri must fail with KL_EPROVIDER and say why. */
@@ -296,59 +268,11 @@ drop(struct hold *h)
 	h->l = NULL;
 }
 
-static void
-status_of(kl_provider *p, const char *key, size_t *holders, size_t *waiters)
-{
-	kl_error err;
-	int rc;
-
-	memset(&err, 0, sizeof err);
-	rc = kl_provider_status(p, key, holders, waiters, &err);
-	ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
-		      kl_strerror(rc), err.message);
-}
-
-static void
-assert_status(kl_provider *p, const char *key, size_t holders,
-	      size_t waiters)
-{
-	size_t h, w;
-
-	status_of(p, key, &h, &w);
-	ck_assert_msg(h == holders && w == waiters,
-		      "key '%.40s': %zu holders and %zu waiters, expected "
-		      "%zu and %zu",
-		      key, h, w, holders, waiters);
-}
-
 /* Polls until key has exactly holders and waiters. */
 static void
 wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
 {
-	int64_t limit = now_ms() + HANG_GUARD_MS;
-	size_t last_h = SIZE_MAX, last_w = SIZE_MAX;
-	unsigned spins = 0;
-	size_t h, w;
-
-	for (;;) {
-		status_of(p, key, &h, &w);
-		if (h == holders && w == waiters)
-			return;
-		/* Any change is progress: the guard only catches a queue
-		 * that stopped moving. */
-		if (h != last_h || w != last_w) {
-			last_h = h;
-			last_w = w;
-			limit = now_ms() + HANG_GUARD_MS;
-		}
-		if (now_ms() > limit)
-			ck_abort_msg("key '%.40s': still %zu holders and %zu "
-				     "waiters after %d ms, expected %zu and "
-				     "%zu",
-				     key, h, w, HANG_GUARD_MS, holders,
-				     waiters);
-		test_relax(&spins);
-	}
+	test_wait_status(p, key, holders, waiters, HANG_GUARD_MS);
 }
 
 /* ------------------------------------------------------------------ */
@@ -570,79 +494,18 @@ waiter_free(struct waiter *w)
 /* ------------------------------------------------------------------ */
 /* Helper processes (test/local_helper)                                */
 
-struct helper {
-	pid_t pid;
-	int to;   /* its stdin */
-	int from; /* its stdout */
-};
-
-/* The helper next to this program, else under $top_builddir/test. */
-static const char *
-helper_path(void)
-{
-	static char path[PATH_MAX];
-	char self[PATH_MAX];
-	const char *top = getenv("top_builddir");
-	char *slash;
-	ssize_t n;
-	int len;
-
-	if (path[0] != '\0')
-		return path;
-	n = readlink("/proc/self/exe", self, sizeof self - 1);
-	if (n > 0) {
-		self[n] = '\0';
-		if ((slash = strrchr(self, '/')) != NULL) {
-			*slash = '\0';
-			len = snprintf(path, sizeof path, "%s/local_helper",
-				       self);
-			if (len > 0 && (size_t)len < sizeof path &&
-			    access(path, X_OK) == 0)
-				return path;
-		}
-	}
-	len = snprintf(path, sizeof path, "%s/test/local/local_helper",
-		       top != NULL ? top : ".");
-	ck_assert(len > 0 && (size_t)len < sizeof path);
-	return path;
-}
-
-static void
-live_add(pid_t pid)
-{
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] == 0) {
-			g_live[i] = pid;
-			return;
-		}
-	}
-	kill(pid, SIGKILL);
-	waitpid(pid, NULL, 0);
-	ck_abort_msg("too many helper processes");
-}
-
-static void
-live_remove(pid_t pid)
-{
-	for (int i = 0; i < MAX_HELPERS; i++)
-		if (g_live[i] == pid)
-			g_live[i] = 0;
-}
-
 /* Starts local_helper MODE g_dir KEY [FILE INDEX] with pipes to its stdin
  * and from its stdout; with point not NULL, var=point in its environment
  * (KL_CRASH_AT or KL_STOP_AT: the provider's crash points, test build
  * only). */
 static void
-helper_spawn_env(struct helper *h, const char *mode, const char *key,
+helper_spawn_env(struct test_helper *h, const char *mode, const char *key,
 		 const char *file, int index, const char *var,
 		 const char *crash)
 {
-	posix_spawn_file_actions_t fa;
 	char idx[16], crash_var[64];
-	char *argv[7];
-	char **envp = environ;
-	int in[2], out[2], rc;
+	const char *args[6];
+	char **envp = NULL;
 
 	if (crash != NULL) {
 		size_t n = 0;
@@ -660,150 +523,45 @@ helper_spawn_env(struct helper *h, const char *mode, const char *key,
 	}
 
 	snprintf(idx, sizeof idx, "%d", index);
-	argv[0] = (char *)"local_helper";
-	argv[1] = (char *)mode;
-	argv[2] = g_dir;
-	argv[3] = (char *)key;
-	argv[4] = (char *)file;
-	argv[5] = file != NULL ? idx : NULL;
-	argv[6] = NULL;
-	/* Close-on-exec, so that no other helper inherits these ends. */
-	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
-	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, envp);
-	posix_spawn_file_actions_destroy(&fa);
-	if (envp != environ)
-		free(envp);
-	close(in[0]);
-	close(out[1]);
-	if (rc != 0) {
-		close(in[1]);
-		close(out[0]);
-		ck_abort_msg("posix_spawn %s: %s", helper_path(), strerror(rc));
-	}
-	live_add(h->pid);
-	h->to = in[1];
-	h->from = out[0];
+	args[0] = mode;
+	args[1] = g_dir;
+	args[2] = key;
+	args[3] = file;
+	args[4] = file != NULL ? idx : NULL;
+	args[5] = NULL;
+	test_helper_spawn(h, test_helper_path("test/local", "local_helper",
+					      true),
+			  args, envp);
+	free(envp);
 }
 
 static void
-helper_spawn_crash(struct helper *h, const char *mode, const char *key,
+helper_spawn_crash(struct test_helper *h, const char *mode, const char *key,
 		   const char *file, int index, const char *crash)
 {
 	helper_spawn_env(h, mode, key, file, index, "KL_CRASH_AT", crash);
 }
 
 static void
-helper_spawn(struct helper *h, const char *mode, const char *key,
+helper_spawn(struct test_helper *h, const char *mode, const char *key,
 	     const char *file, int index)
 {
 	helper_spawn_crash(h, mode, key, file, index, NULL);
 }
 
-/* Reads one line from the helper into buf (without the newline); false
- * at end of file.  Fails the test when nothing comes in time. */
-static bool
-helper_line(struct helper *h, char *buf, size_t size)
-{
-	int64_t limit = now_ms() + HANG_GUARD_MS;
-	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
-	size_t n = 0;
-	ssize_t r;
-	char c;
-
-	for (;;) {
-		int64_t left = limit - now_ms();
-
-		ck_assert_msg(left > 0, "no line from helper %d after %d ms",
-			      (int)h->pid, HANG_GUARD_MS);
-		if (poll(&pfd, 1, (int)left) <= 0)
-			continue;
-		r = read(h->from, &c, 1);
-		if (r < 0 && errno == EINTR)
-			continue;
-		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
-		if (r == 0) {
-			buf[n] = '\0';
-			return false;
-		}
-		if (c == '\n')
-			break;
-		if (n + 1 < size)
-			buf[n++] = c;
-	}
-	buf[n] = '\0';
-	return true;
-}
-
-/* Reads the helper's "G <fence>" line; returns the fence. */
-static uint64_t
-helper_granted(struct helper *h)
-{
-	char line[300];
-	uint64_t fence = 0;
-
-	ck_assert_msg(helper_line(h, line, sizeof line),
-		      "helper %d ended without a grant", (int)h->pid);
-	ck_assert_msg(sscanf(line, "G %" SCNu64, &fence) == 1,
-		      "helper %d: %s", (int)h->pid, line);
-	return fence;
-}
-
-/* Waits (bounded) for the helper to exit and returns its wait status. */
-static int
-helper_reap(struct helper *h)
-{
-	int64_t limit = now_ms() + HANG_GUARD_MS;
-	unsigned spins = 0;
-	int status = 0;
-	pid_t r;
-
-	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
-		if (now_ms() > limit)
-			ck_abort_msg("helper %d still running after %d ms",
-				     (int)h->pid, HANG_GUARD_MS);
-		test_relax(&spins);
-	}
-	ck_assert_msg(r == h->pid, "waitpid: %s", strerror(errno));
-	live_remove(h->pid);
-	return status;
-}
-
 /* Waits for the helper to exit with status 0. */
 static void
-helper_exit_ok(struct helper *h)
+helper_exit_ok(struct test_helper *h)
 {
 	char line[300];
-	int status = helper_reap(h);
+	int status = test_helper_reap(h, HANG_GUARD_MS);
 
 	if (!(WIFEXITED(status) && WEXITSTATUS(status) == 0)) {
 		line[0] = '\0';
-		helper_line(h, line, sizeof line);
+		test_helper_line(h, line, sizeof line, HANG_GUARD_MS);
 		ck_abort_msg("helper %d ended with status 0x%x: %s",
 			     (int)h->pid, (unsigned)status, line);
 	}
-}
-
-static void
-helper_kill(struct helper *h)
-{
-	int status = 0;
-
-	ck_assert_int_eq(kill(h->pid, SIGKILL), 0);
-	ck_assert_int_eq(waitpid(h->pid, &status, 0), h->pid);
-	live_remove(h->pid);
-	ck_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
-}
-
-static void
-helper_close(struct helper *h)
-{
-	close(h->to);
-	close(h->from);
-	h->to = h->from = -1;
 }
 
 /* ------------------------------------------------------------------ */
@@ -848,9 +606,9 @@ START_TEST(test_open_relative_dir)
 	ck_assert_int_eq(chdir("/"), 0);
 	q = open_dir(g_dir);
 	take_ok(p, "lo:relative", 0, &h);
-	assert_status(q, "lo:relative", 1, 0);
+	test_assert_status(q, "lo:relative", 1, 0);
 	drop(&h);
-	assert_status(q, "lo:relative", 0, 0);
+	test_assert_status(q, "lo:relative", 0, 0);
 	kl_provider_free(p);
 	kl_provider_free(q);
 	ck_assert_int_eq(fchdir(cwd), 0);
@@ -1088,11 +846,11 @@ START_TEST(test_acquire_release)
 	kl_error err;
 	int res = 0;
 
-	assert_status(p, "lo:basic", 0, 0);
+	test_assert_status(p, "lo:basic", 0, 0);
 	take_ok(p, "lo:basic", KL_FOREVER, &h);
 	ck_assert_str_eq(kl_lease_key(h.lease), "lo:basic");
 	ck_assert(kl_lease_valid(h.lease));
-	assert_status(p, "lo:basic", 1, 0);
+	test_assert_status(p, "lo:basic", 1, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.queues, 1);
 	ck_assert_int_eq(s.tickets, 1);
@@ -1100,7 +858,7 @@ START_TEST(test_acquire_release)
 	ck_assert_int_eq(take(p, "lo:basic", 0, NULL, &h2, NULL),
 			 KL_ETIMEDOUT);
 	drop(&h);
-	assert_status(p, "lo:basic", 0, 0);
+	test_assert_status(p, "lo:basic", 0, 0);
 	/* An idle key leaves nothing behind. */
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.queues, 0);
@@ -1117,7 +875,7 @@ START_TEST(test_acquire_release)
 	ck_assert_uint_eq(seen.holders, 1);
 	ck_assert_uint_eq(seen.waiters, 0);
 	kl_lock_free(l);
-	assert_status(p, "lo:basic", 0, 0);
+	test_assert_status(p, "lo:basic", 0, 0);
 	kl_provider_free(p);
 	assert_parent_holds_only_state();
 }
@@ -1163,12 +921,12 @@ START_TEST(test_keys_independent)
 
 	take_ok(p, "lo:a", 0, &a);
 	take_ok(p, "lo:b", 0, &b); /* try-once: not blocked by lo:a */
-	assert_status(p, "lo:a", 1, 0);
-	assert_status(p, "lo:b", 1, 0);
+	test_assert_status(p, "lo:a", 1, 0);
+	test_assert_status(p, "lo:b", 1, 0);
 	ck_assert_int_eq(take(p, "lo:a", 0, NULL, &a2, NULL), KL_ETIMEDOUT);
 	drop(&a);
-	assert_status(p, "lo:a", 0, 0);
-	assert_status(p, "lo:b", 1, 0);
+	test_assert_status(p, "lo:a", 0, 0);
+	test_assert_status(p, "lo:b", 1, 0);
 	take_ok(p, "lo:a", 0, &a);
 	drop(&a);
 	drop(&b);
@@ -1242,7 +1000,7 @@ START_TEST(test_keys_any_bytes)
 			      "no queue file %s for key %d", names[i], i);
 	}
 	for (int i = 0; i < n; i++)
-		assert_status(p, keys[i], 1, 0);
+		test_assert_status(p, keys[i], 1, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.queues, n);
 	ck_assert_int_eq(s.tickets, n);
@@ -1251,7 +1009,7 @@ START_TEST(test_keys_any_bytes)
 	for (int i = 0; i < n; i++)
 		drop(&h[i]);
 	for (int i = 0; i < n; i++)
-		assert_status(p, keys[i], 0, 0);
+		test_assert_status(p, keys[i], 0, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.queues, 0);
 	ck_assert_int_eq(s.tickets, 0);
@@ -1286,13 +1044,13 @@ START_TEST(test_status_free_key)
 	kl_error err;
 
 	/* Never used: nothing is created to answer. */
-	assert_status(p, "lo:never", 0, 0);
-	assert_status(p, "", 0, 0);
+	test_assert_status(p, "lo:never", 0, 0);
+	test_assert_status(p, "", 0, 0);
 	ck_assert_int_eq(dir_entries(g_dir), 0);
 	/* Used and released. */
 	take_ok(p, "lo:free", 0, &h);
 	drop(&h);
-	assert_status(p, "lo:free", 0, 0);
+	test_assert_status(p, "lo:free", 0, 0);
 	/* Bad arguments. */
 	ck_assert_int_eq(kl_provider_status(p, NULL, &holders, &waiters,
 					    &err),
@@ -1340,7 +1098,7 @@ START_TEST(test_fifo_threads)
 	}
 	ck_assert_int_eq(atomic_load(&sh->overlaps), 0);
 	free(sh);
-	assert_status(p, "lo:fifo", 0, 0);
+	test_assert_status(p, "lo:fifo", 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1369,14 +1127,14 @@ START_TEST(test_timeout_leaves_queue)
 	ck_assert(w->err.message[0] != '\0');
 	waiter_free(w);
 	/* Gone from the queue, its ticket file too. */
-	assert_status(p, "lo:timeout", 1, 0);
+	test_assert_status(p, "lo:timeout", 1, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 1);
 	drop(&h);
 	/* Nothing stale blocks the next one. */
 	ck_assert_int_eq(take(p, "lo:timeout", 0, NULL, &h2, NULL), KL_OK);
 	drop(&h2);
-	assert_status(p, "lo:timeout", 0, 0);
+	test_assert_status(p, "lo:timeout", 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1396,7 +1154,7 @@ START_TEST(test_try_once)
 	ck_assert_int_eq(rc, KL_ETIMEDOUT);
 	ck_assert_int_eq(err.status, KL_ETIMEDOUT);
 	ck_assert_msg(took < 2000, "try-once took %" PRId64 " ms", took);
-	assert_status(p, "lo:once", 1, 0);
+	test_assert_status(p, "lo:once", 1, 0);
 	drop(&h);
 	ck_assert_int_eq(take(p, "lo:once", 0, NULL, &h2, NULL), KL_OK);
 	drop(&h2);
@@ -1423,11 +1181,11 @@ START_TEST(test_cancel_leaves_queue)
 	waiter_join(w);
 	ck_assert_msg(w->rc == KL_ECANCELED, "waiter: %s", kl_strerror(w->rc));
 	waiter_free(w);
-	assert_status(p, "lo:cancel", 1, 0);
+	test_assert_status(p, "lo:cancel", 1, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 1);
 	drop(&h);
-	assert_status(p, "lo:cancel", 0, 0);
+	test_assert_status(p, "lo:cancel", 0, 0);
 	kl_cancel_free(c);
 	kl_provider_free(p);
 }
@@ -1446,15 +1204,15 @@ START_TEST(test_cancel_prefired)
 	start = now_ms();
 	ck_assert_int_eq(take(p, "lo:prefired", KL_FOREVER, c, &h2, NULL),
 			 KL_ECANCELED);
-	assert_status(p, "lo:prefired", 0, 0);
+	test_assert_status(p, "lo:prefired", 0, 0);
 	/* Held key. */
 	take_ok(p, "lo:prefired", 0, &h);
 	ck_assert_int_eq(take(p, "lo:prefired", KL_FOREVER, c, &h2, NULL),
 			 KL_ECANCELED);
 	ck_assert_int_lt(now_ms() - start, 2000);
-	assert_status(p, "lo:prefired", 1, 0);
+	test_assert_status(p, "lo:prefired", 1, 0);
 	drop(&h);
-	assert_status(p, "lo:prefired", 0, 0);
+	test_assert_status(p, "lo:prefired", 0, 0);
 	kl_cancel_free(c);
 	kl_provider_free(p);
 }
@@ -1486,10 +1244,10 @@ START_TEST(test_head_gives_up_passes_on)
 	ck_assert_msg(w2->rc == KL_OK, "W2: %s: %s", kl_strerror(w2->rc),
 		      w2->err.message);
 	ck_assert_uint_eq(w2->fence, f0 + 1);
-	assert_status(p, "lo:head", 1, 0);
+	test_assert_status(p, "lo:head", 1, 0);
 	waiter_free(w2);
 	waiter_free(w1);
-	assert_status(p, "lo:head", 0, 0);
+	test_assert_status(p, "lo:head", 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1554,11 +1312,11 @@ START_TEST(test_alloc_failures)
 			break;
 		ck_assert_msg(rc == KL_ENOMEM, "acquire, allocation %d "
 			      "failing: %s", k, kl_strerror(rc));
-		assert_status(p, key, 0, 0);
+		test_assert_status(p, key, 0, 0);
 	}
-	assert_status(p, key, 1, 0);
+	test_assert_status(p, key, 1, 0);
 	kl_lease_release(lease);
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_lock_free(l);
 	kl_provider_free(p);
 }
@@ -1614,7 +1372,7 @@ START_TEST(test_dead_ticket_not_a_file)
 	take_ok(p, key, 0, &h);
 	ck_assert_int_ne(lstat(path, &st), 0);
 	drop(&h);
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1698,7 +1456,7 @@ START_TEST(test_watch_fails_polls)
 	waiter_free(w);
 	ck_assert_int_eq(rename(moved, g_dir), 0);
 	drop(&h);
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1726,7 +1484,7 @@ START_TEST(test_write_failures)
 	ck_assert_int_eq(take(p, key, 0, NULL, &h, &err), KL_EPROVIDER);
 	ck_assert_int_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
 	ck_assert_ptr_nonnull(strstr(err.message, "ticket"));
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 
 	take_ok(p, key2, 0, &h);
 	w = waiter_start(p, key2, WAIT_BOUND_MS, NULL, true, NULL);
@@ -1740,9 +1498,9 @@ START_TEST(test_write_failures)
 	waiter_free(w);
 	/* Both tickets are dead now: the next acquirer skips them. */
 	take_ok(p, key2, 0, &h);
-	assert_status(p, key2, 1, 0);
+	test_assert_status(p, key2, 1, 0);
 	drop(&h);
-	assert_status(p, key2, 0, 0);
+	test_assert_status(p, key2, 0, 0);
 
 	ck_assert_int_eq(sigaction(SIGXFSZ, &saved, NULL), 0);
 	kl_provider_free(p);
@@ -1777,7 +1535,7 @@ START_TEST(test_errorcheck_refused)
 	ck_assert(err.message[0] != '\0');
 	kl_lock_free(l);
 	ck_assert_int_eq(dir_entries(g_dir), 0);
-	assert_status(p, "lo:errorcheck", 0, 0);
+	test_assert_status(p, "lo:errorcheck", 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1789,19 +1547,19 @@ END_TEST
 START_TEST(test_process_holder_killed)
 {
 	kl_provider *p = open_dir(g_dir);
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter *w;
 	uint64_t f1;
 	int64_t killed_ns, after_ms;
 
 	helper_spawn(&hp, "hold", "lo:proc:holder", NULL, 0);
-	f1 = helper_granted(&hp);
-	assert_status(p, "lo:proc:holder", 1, 0);
+	f1 = test_helper_granted(&hp, HANG_GUARD_MS);
+	test_assert_status(p, "lo:proc:holder", 1, 0);
 	w = waiter_start(p, "lo:proc:holder", WAIT_BOUND_MS, NULL, false,
 			 NULL);
 	wait_status(p, "lo:proc:holder", 1, 1);
 	killed_ns = now_ns();
-	helper_kill(&hp);
+	test_helper_kill(&hp);
 	waiter_join(w);
 	ck_assert_msg(w->rc == KL_OK, "waiter: %s: %s", kl_strerror(w->rc),
 		      w->err.message);
@@ -1809,10 +1567,10 @@ START_TEST(test_process_holder_killed)
 	ck_assert_msg(after_ms < 2000, "granted %" PRId64 " ms after the kill",
 		      after_ms);
 	ck_assert_uint_gt(w->fence, f1);
-	assert_status(p, "lo:proc:holder", 1, 0);
+	test_assert_status(p, "lo:proc:holder", 1, 0);
 	waiter_free(w);
-	assert_status(p, "lo:proc:holder", 0, 0);
-	helper_close(&hp);
+	test_assert_status(p, "lo:proc:holder", 0, 0);
+	test_helper_close(&hp);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1822,7 +1580,7 @@ END_TEST
 START_TEST(test_process_waiter_killed)
 {
 	kl_provider *p = open_dir(g_dir);
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter *w;
 	struct hold h;
 	struct scan s;
@@ -1836,23 +1594,23 @@ START_TEST(test_process_waiter_killed)
 	w = waiter_start(p, "lo:proc:waiter", WAIT_BOUND_MS, NULL, false,
 			 NULL);
 	wait_status(p, "lo:proc:waiter", 1, 2);
-	helper_kill(&hp);
+	test_helper_kill(&hp);
 	/* The dead waiter is no longer counted; the holder still holds. */
 	wait_status(p, "lo:proc:waiter", 1, 1);
 	ck_assert(!atomic_load(&w->done));
 	/* It never got the key. */
-	ck_assert(!helper_line(&hp, line, sizeof line));
+	ck_assert(!test_helper_line(&hp, line, sizeof line, HANG_GUARD_MS));
 	drop(&h);
 	waiter_join(w);
 	ck_assert_msg(w->rc == KL_OK, "waiter: %s: %s", kl_strerror(w->rc),
 		      w->err.message);
 	ck_assert_uint_eq(w->fence, f0 + 1);
-	assert_status(p, "lo:proc:waiter", 1, 0);
+	test_assert_status(p, "lo:proc:waiter", 1, 0);
 	waiter_free(w);
-	assert_status(p, "lo:proc:waiter", 0, 0);
+	test_assert_status(p, "lo:proc:waiter", 0, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 0);
-	helper_close(&hp);
+	test_helper_close(&hp);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1862,7 +1620,7 @@ START_TEST(test_process_fifo)
 {
 	enum { N = 4 };
 	kl_provider *p = open_dir(g_dir);
-	struct helper hp[N];
+	struct test_helper hp[N];
 	struct hold h;
 	char file[PATH_MAX], got[64];
 	ssize_t n;
@@ -1888,9 +1646,9 @@ START_TEST(test_process_fifo)
 	ck_assert_int_ge(n, 0);
 	got[n] = '\0';
 	ck_assert_str_eq(got, "0\n1\n2\n3\n");
-	assert_status(p, "lo:proc:fifo", 0, 0);
+	test_assert_status(p, "lo:proc:fifo", 0, 0);
 	for (int i = 0; i < N; i++)
-		helper_close(&hp[i]);
+		test_helper_close(&hp[i]);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1933,7 +1691,7 @@ static const char *const crash_points[] = {
  * status no longer waits for the queue lock, so a queued C may be seen
  * before it reaches its entry point and dies. */
 static int
-crash_settle(kl_provider *p, const char *key, struct helper *c, bool entry,
+crash_settle(kl_provider *p, const char *key, struct test_helper *c, bool entry,
 	     bool *alive)
 {
 	int64_t limit = now_ms() + HANG_GUARD_MS;
@@ -1945,11 +1703,11 @@ crash_settle(kl_provider *p, const char *key, struct helper *c, bool entry,
 		pid_t r = waitpid(c->pid, &status, WNOHANG);
 
 		if (r == c->pid) {
-			live_remove(c->pid);
+			test_live_remove(c->pid);
 			*alive = false;
 			return status;
 		}
-		status_of(p, key, &h, &w);
+		test_status_of(p, key, &h, &w);
 		if (!entry && h == 1 && w == 1) {
 			*alive = true;
 			return 0;
@@ -1999,7 +1757,7 @@ START_TEST(test_crash_point)
 
 	in_parent(file, sizeof file, "order");
 	for (long round = 0; round < rounds; round++) {
-		struct helper hh, c, s1, s2;
+		struct test_helper hh, c, s1, s2;
 		bool alive;
 		int fd, status;
 
@@ -2008,7 +1766,7 @@ START_TEST(test_crash_point)
 		close(fd);
 
 		helper_spawn(&hh, "hold", key, NULL, 0);
-		helper_granted(&hh);
+		test_helper_granted(&hh, HANG_GUARD_MS);
 		helper_spawn_crash(&c, "hold", key, NULL, 0, point);
 		status = crash_settle(p, key, &c, (size_t)_i < N_ENTRY_POINTS,
 				      &alive);
@@ -2022,11 +1780,12 @@ START_TEST(test_crash_point)
 			helper_spawn(&s2, "append", key, file, 2);
 			wait_status(p, key, 1, alive ? 3 : 2);
 		}
-		helper_kill(&hh);
+		test_helper_kill(&hh);
 
 		if (alive) {
 			/* Dies on its way to the grant, or is granted. */
-			if (helper_line(&c, line, sizeof line)) {
+			if (test_helper_line(&c, line, sizeof line,
+					     HANG_GUARD_MS)) {
 				ck_assert_msg(line[0] == 'G',
 					      "point %s: crash helper said "
 					      "'%s'",
@@ -2044,7 +1803,8 @@ START_TEST(test_crash_point)
 			} else {
 				at_grant++;
 			}
-			assert_killed(helper_reap(&c), point, round);
+			assert_killed(test_helper_reap(&c, HANG_GUARD_MS),
+				      point, round);
 		}
 		if (late) {
 			helper_spawn(&s1, "append", key, file, 1);
@@ -2058,15 +1818,15 @@ START_TEST(test_crash_point)
 		ck_assert_msg(strcmp(got, "1\n2\n") == 0,
 			      "point %s, round %ld: grant order '%s'", point,
 			      round, got);
-		assert_status(p, key, 0, 0);
+		test_assert_status(p, key, 0, 0);
 		scan_state(g_dir, &sc);
 		ck_assert_msg(sc.tickets == 0,
 			      "point %s, round %ld: %d ticket files left",
 			      point, round, sc.tickets);
-		helper_close(&hh);
-		helper_close(&c);
-		helper_close(&s1);
-		helper_close(&s2);
+		test_helper_close(&hh);
+		test_helper_close(&c);
+		test_helper_close(&s1);
+		test_helper_close(&s2);
 	}
 	fprintf(stderr,
 		"crash point %s: %ld rounds (%d died on entry, %d on the way "
@@ -2217,7 +1977,7 @@ START_TEST(test_planted_symlink_ticket)
 		drop(&h);
 	}
 	victim_unchanged(&v);
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -2227,10 +1987,9 @@ struct refuse_run {
 	const char *key;
 	int rc;
 	int status_rc;
-	atomic_bool done;
 };
 
-static void *
+static void
 refuse_main(void *arg)
 {
 	struct refuse_run *r = arg;
@@ -2250,14 +2009,6 @@ refuse_main(void *arg)
 	kl_lock_free(l);
 	r->status_rc = kl_provider_status(r->p, r->key, &holders, &waiters,
 					  NULL);
-	atomic_store(&r->done, true);
-	return NULL;
-}
-
-static bool
-refuse_done(void *arg)
-{
-	return atomic_load(&((struct refuse_run *)arg)->done);
 }
 
 /* A FIFO planted as the queue file: refused, without hanging on it (the
@@ -2270,7 +2021,6 @@ START_TEST(test_planted_fifo)
 	struct refuse_run *r = calloc(1, sizeof *r);
 	char q[24], path[PATH_MAX];
 	struct stat st;
-	pthread_t th;
 
 	queue_name(q, sizeof q, key, strlen(key));
 	in_state(path, sizeof path, q);
@@ -2278,10 +2028,8 @@ START_TEST(test_planted_fifo)
 	ck_assert_ptr_nonnull(r);
 	r->p = p;
 	r->key = key;
-	atomic_init(&r->done, false);
-	test_thread_start(&th, refuse_main, r);
-	test_poll(refuse_done, r, "an acquire on a planted FIFO to return");
-	test_thread_join(th);
+	test_run_bounded(refuse_main, r,
+			 "an acquire on a planted FIFO to return");
 	ck_assert_msg(r->rc == KL_EPROVIDER, "acquire gave %s",
 		      kl_strerror(r->rc));
 	ck_assert_int_eq(r->status_rc, KL_EPROVIDER);
@@ -2407,8 +2155,7 @@ START_TEST(test_fence_survives_state_loss)
 	drop(&h);
 	/* The idle queue file is gone, and so is the whole directory. */
 	kl_provider_free(p);
-	ck_assert_int_eq(nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS),
-			 0);
+	ck_assert_int_eq(test_remove_tree(g_dir), 0);
 	p = open_dir(g_dir);
 	take_ok(p, key, 0, &h);
 	f2 = kl_lease_fence(h.lease);
@@ -2487,8 +2234,7 @@ START_TEST(test_dir_replaced_while_held)
 	drop(&h2);
 	kl_provider_free(q);
 	kl_provider_free(p);
-	ck_assert_int_eq(nftw(moved, remove_entry, 16, FTW_DEPTH | FTW_PHYS),
-			 0);
+	ck_assert_int_eq(test_remove_tree(moved), 0);
 }
 END_TEST
 
@@ -2499,8 +2245,7 @@ START_TEST(test_dir_removed_while_held)
 	struct hold h;
 
 	take_ok(p, "lo:removed", 0, &h);
-	ck_assert_int_eq(nftw(g_dir, remove_entry, 16, FTW_DEPTH | FTW_PHYS),
-			 0);
+	ck_assert_int_eq(test_remove_tree(g_dir), 0);
 	ck_assert(!kl_lease_valid(h.lease));
 	drop(&h);
 	kl_provider_free(p);
@@ -2513,10 +2258,9 @@ struct stopped_run {
 	const char *key;
 	int rc_timed, rc_try, rc_cancel, rc_status;
 	int64_t timed_ms;
-	atomic_bool done;
 };
 
-static void *
+static void
 stopped_main(void *arg)
 {
 	struct stopped_run *r = arg;
@@ -2540,14 +2284,6 @@ stopped_main(void *arg)
 	}
 	r->rc_status = kl_provider_status(r->p, r->key, &holders, &waiters,
 					  NULL);
-	atomic_store(&r->done, true);
-	return NULL;
-}
-
-static bool
-stopped_done(void *arg)
-{
-	return atomic_load(&((struct stopped_run *)arg)->done);
 }
 
 /* A process stopped (SIGSTOP) while it holds the queue file's lock: a
@@ -2559,8 +2295,7 @@ START_TEST(test_stopped_queue_holder)
 	const char *key = "lo:stopped";
 	kl_provider *p = open_dir(g_dir);
 	struct stopped_run *r = calloc(1, sizeof *r);
-	struct helper hs;
-	pthread_t th;
+	struct test_helper hs;
 	int status;
 
 	ck_assert_ptr_nonnull(r);
@@ -2570,11 +2305,9 @@ START_TEST(test_stopped_queue_holder)
 	ck_assert(WIFSTOPPED(status));
 	r->p = p;
 	r->key = key;
-	atomic_init(&r->done, false);
-	test_thread_start(&th, stopped_main, r);
-	test_poll(stopped_done, r, "acquires to return while the queue "
-				   "lock's holder is stopped");
-	test_thread_join(th);
+	test_run_bounded(stopped_main, r,
+			 "acquires to return while the queue lock's holder "
+			 "is stopped");
 	ck_assert_msg(r->rc_timed == KL_ETIMEDOUT, "timed: %s",
 		      kl_strerror(r->rc_timed));
 	ck_assert_msg(r->timed_ms < 200 + 5000, "timed out after %" PRId64
@@ -2587,11 +2320,11 @@ START_TEST(test_stopped_queue_holder)
 	free(r);
 	/* Continued, it gets the key; then it is free again. */
 	ck_assert_int_eq(kill(hs.pid, SIGCONT), 0);
-	helper_granted(&hs);
+	test_helper_granted(&hs, HANG_GUARD_MS);
 	ck_assert_int_eq(write(hs.to, "x\n", 2), 2);
 	helper_exit_ok(&hs);
-	helper_close(&hs);
-	assert_status(p, key, 0, 0);
+	test_helper_close(&hs);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -2753,7 +2486,7 @@ START_TEST(test_idle_removal_race)
 	}
 	ck_assert_int_eq(atomic_load(&overlaps), 0);
 	ck_assert_int_eq(atomic_load(&backwards), 0);
-	assert_status(p, "lo:churn", 0, 0);
+	test_assert_status(p, "lo:churn", 0, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 0);
 	ck_assert_int_le(s.queues, 1);
@@ -2982,7 +2715,7 @@ START_TEST(test_idle_removal_race_status)
 			      kl_strerror(k[i].rc));
 	ck_assert_int_eq(atomic_load(&overlaps), 0);
 	ck_assert_int_eq(atomic_load(&backwards), 0);
-	assert_status(p, "lo:churn", 0, 0);
+	test_assert_status(p, "lo:churn", 0, 0);
 	kl_provider_free(r);
 	kl_provider_free(q);
 	kl_provider_free(p);
@@ -3012,10 +2745,10 @@ START_TEST(test_files_replaced_release_keeps_new)
 	drop(&h1);
 	/* The new holder still holds, for everyone to see. */
 	ck_assert(kl_lease_valid(h2.lease));
-	assert_status(q, key, 1, 0);
+	test_assert_status(q, key, 1, 0);
 	ck_assert_int_eq(take(p, key, 0, NULL, &h3, NULL), KL_ETIMEDOUT);
 	drop(&h2);
-	assert_status(q, key, 0, 0);
+	test_assert_status(q, key, 0, 0);
 	kl_provider_free(q);
 	kl_provider_free(p);
 }
@@ -3166,9 +2899,9 @@ START_TEST(test_fd_limit_holder_alive)
 			      "granted beside its holder with %d free "
 			      "descriptors", i);
 	ck_assert(kl_lease_valid(h.lease));
-	assert_status(p, key, 1, 0);
+	test_assert_status(p, key, 1, 0);
 	drop(&h);
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_lock_free(l);
 	kl_provider_free(p);
 }
@@ -3215,7 +2948,7 @@ START_TEST(test_ticket_looked_at_while_made)
 	const char *key = "lo:looked";
 	kl_provider *p = open_dir(g_dir);
 	char qname[64], tname[80], path[PATH_MAX];
-	struct helper hs;
+	struct test_helper hs;
 	int status, fd;
 
 	queue_name(qname, sizeof qname, key, strlen(key));
@@ -3233,11 +2966,11 @@ START_TEST(test_ticket_looked_at_while_made)
 	 * look to end (sleeps). */
 	test_poll(not_stopped, &hs.pid, "the helper to run on");
 	close(fd);
-	helper_granted(&hs);
+	test_helper_granted(&hs, HANG_GUARD_MS);
 	ck_assert_int_eq(write(hs.to, "x\n", 2), 2);
 	helper_exit_ok(&hs);
-	helper_close(&hs);
-	assert_status(p, key, 0, 0);
+	test_helper_close(&hs);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -3253,25 +2986,25 @@ START_TEST(test_uncounted_ticket_idle)
 	const char *const points[] = { "ticket-created", "ticket-flocked" };
 	kl_provider *p = open_dir(g_dir);
 	char qname[64], tname[80], path[PATH_MAX];
-	struct helper hh, hc;
+	struct test_helper hh, hc;
 	int status;
 
 	queue_name(qname, sizeof qname, key, strlen(key));
 	snprintf(tname, sizeof tname, "%s.1", qname);
 	for (size_t i = 0; i < sizeof points / sizeof points[0]; i++) {
 		helper_spawn(&hh, "hold", key, NULL, 0);
-		helper_granted(&hh);
+		test_helper_granted(&hh, HANG_GUARD_MS);
 		helper_spawn_crash(&hc, "hold", key, NULL, 0, points[i]);
-		status = helper_reap(&hc);
+		status = test_helper_reap(&hc, HANG_GUARD_MS);
 		ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
 			      "%s: status 0x%x", points[i], (unsigned)status);
-		helper_close(&hc);
+		test_helper_close(&hc);
 		in_state(path, sizeof path, tname);
 		ck_assert_msg(access(path, F_OK) == 0, "%s: no %s", points[i],
 			      tname);
 		ck_assert_int_eq(write(hh.to, "x\n", 2), 2);
 		helper_exit_ok(&hh);
-		helper_close(&hh);
+		test_helper_close(&hh);
 		ck_assert_msg(access(path, F_OK) != 0 && errno == ENOENT,
 			      "%s: the key went idle leaving %s", points[i],
 			      tname);
@@ -3280,7 +3013,7 @@ START_TEST(test_uncounted_ticket_idle)
 			      "%s: the key went idle leaving %s", points[i],
 			      qname);
 	}
-	assert_status(p, key, 0, 0);
+	test_assert_status(p, key, 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -3361,12 +3094,9 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
+	TCase *tc = test_tcase(s, name, timeout, setup, teardown);
 
-	tcase_set_timeout(tc, timeout);
 	tcase_add_unchecked_fixture(tc, root_setup, root_teardown);
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
 	return tc;
 }
 
@@ -3466,11 +3196,5 @@ provider_local_suite(void)
 int
 main(void)
 {
-	SRunner *sr = srunner_create(provider_local_suite());
-	int failed;
-
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(provider_local_suite());
 }

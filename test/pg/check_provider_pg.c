@@ -73,8 +73,6 @@ static const char *g_auth_uri; /* KEYLOCK_TEST_PG_AUTH_URI, may be NULL */
 static PGconn *g_admin;        /* per test */
 static int g_keyno;
 
-#define MAX_HELPERS 8
-static pid_t g_live[MAX_HELPERS];
 
 /* ------------------------------------------------------------------ */
 /* Fixture and the admin connection                                    */
@@ -90,13 +88,7 @@ setup(void)
 static void
 teardown(void)
 {
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] > 0) {
-			kill(g_live[i], SIGKILL);
-			waitpid(g_live[i], NULL, 0);
-			g_live[i] = 0;
-		}
-	}
+	test_helpers_kill();
 	PQfinish(g_admin);
 	g_admin = NULL;
 }
@@ -220,17 +212,9 @@ static kl_provider *
 open_with(const char *base, const char *extra)
 {
 	char uri[1024];
-	kl_provider *p = NULL;
-	kl_error err;
-	int rc;
 
 	uri_with(uri, sizeof uri, base, extra);
-	memset(&err, 0, sizeof err);
-	rc = kl_provider_open(&p, uri, &err);
-	ck_assert_msg(rc == KL_OK, "kl_provider_open: %s: %s", kl_strerror(rc),
-		      err.message);
-	ck_assert_ptr_nonnull(p);
-	return p;
+	return test_provider_open(uri);
 }
 
 static kl_provider *
@@ -390,23 +374,7 @@ drop(struct hold *h)
 static void
 wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
 {
-	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
-	kl_error err;
-	size_t h, w;
-	int rc;
-
-	for (;;) {
-		rc = kl_provider_status(p, key, &h, &w, &err);
-		ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
-			      kl_strerror(rc), err.message);
-		if (h == holders && w == waiters)
-			return;
-		ck_assert_msg(now_ms() < limit,
-			      "'%s': %zu holders, %zu waiters; expected %zu "
-			      "and %zu",
-			      key, h, w, holders, waiters);
-		test_sleep_ms(2);
-	}
+	test_wait_status(p, key, holders, waiters, TEST_POLL_LIMIT_MS);
 }
 
 /* ------------------------------------------------------------------ */
@@ -506,132 +474,22 @@ waiter_free(struct waiter *w)
 /* ------------------------------------------------------------------ */
 /* Helper processes (test/pg/pg_helper)                                */
 
-struct helper {
-	pid_t pid;
-	int to;
-	int from;
-};
-
-static const char *
-helper_path(void)
-{
-	static char path[PATH_MAX];
-	const char *top = getenv("top_builddir");
-	int n;
-
-	/* The libtool wrapper, which finds the uninstalled libraries. */
-	n = snprintf(path, sizeof path, "%s/test/pg/pg_helper",
-		     top != NULL ? top : ".");
-	ck_assert(n > 0 && (size_t)n < sizeof path);
-	return path;
-}
-
+/* Starts pg_helper with args (NULL-terminated): the libtool wrapper,
+ * which finds the uninstalled libraries. */
 static void
-live_add(pid_t pid)
+helper_spawn(struct test_helper *h, const char *const *args)
 {
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] == 0) {
-			g_live[i] = pid;
-			return;
-		}
-	}
-	kill(pid, SIGKILL);
-	waitpid(pid, NULL, 0);
-	ck_abort_msg("too many helper processes");
+	test_helper_spawn(h, test_helper_path("test/pg", "pg_helper", false),
+			  args, NULL);
 }
 
-static void
-live_remove(pid_t pid)
-{
-	for (int i = 0; i < MAX_HELPERS; i++)
-		if (g_live[i] == pid)
-			g_live[i] = 0;
-}
-
-/* Starts pg_helper with argv[1..] = args (NULL-terminated, at most 6). */
-static void
-helper_spawn(struct helper *h, const char *const *args)
-{
-	posix_spawn_file_actions_t fa;
-	char *argv[8];
-	int in[2], out[2], rc, n = 0;
-
-	argv[n++] = (char *)"pg_helper";
-	while (args[n - 1] != NULL && n < 7) {
-		argv[n] = (char *)args[n - 1];
-		n++;
-	}
-	argv[n] = NULL;
-	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
-	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
-	posix_spawn_file_actions_destroy(&fa);
-	close(in[0]);
-	close(out[1]);
-	if (rc != 0) {
-		close(in[1]);
-		close(out[0]);
-		ck_abort_msg("posix_spawn %s: %s", helper_path(), strerror(rc));
-	}
-	live_add(h->pid);
-	h->to = in[1];
-	h->from = out[0];
-}
-
-/* One line from the helper (without the newline); false at end of file.
- * limit_ms bounds the wait. */
-static bool
-helper_line(struct helper *h, char *buf, size_t size, int64_t limit_ms)
-{
-	int64_t limit = now_ms() + limit_ms;
-	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
-	size_t n = 0;
-	ssize_t r;
-	char c;
-
-	for (;;) {
-		int64_t left = limit - now_ms();
-
-		ck_assert_msg(left > 0, "no line from helper %d after %lld ms",
-			      (int)h->pid, (long long)limit_ms);
-		if (poll(&pfd, 1, (int)left) <= 0)
-			continue;
-		r = read(h->from, &c, 1);
-		if (r < 0 && errno == EINTR)
-			continue;
-		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
-		if (r == 0) {
-			buf[n] = '\0';
-			return false;
-		}
-		if (c == '\n')
-			break;
-		if (n + 1 < size)
-			buf[n++] = c;
-	}
-	buf[n] = '\0';
-	return true;
-}
-
+/* Waits (bounded) for the helper to exit; returns its wait status. */
 static int
-helper_reap(struct helper *h, int64_t limit_ms)
+helper_reap(struct test_helper *h, int64_t limit_ms)
 {
-	int64_t limit = now_ms() + limit_ms;
-	int status = 0;
-	pid_t r;
+	int status = test_helper_reap(h, limit_ms);
 
-	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
-		ck_assert_msg(now_ms() < limit, "helper %d still running",
-			      (int)h->pid);
-		test_sleep_ms(5);
-	}
-	ck_assert_msg(r == h->pid, "waitpid: %s", strerror(errno));
-	live_remove(h->pid);
-	close(h->to);
-	close(h->from);
+	test_helper_close(h);
 	return status;
 }
 
@@ -972,7 +830,7 @@ START_TEST(test_mutual_exclusion_processes)
 	long iters = kl_test_scaled(25, 5);
 	char file[] = "/tmp/kl-check-pg.XXXXXX", its[24], line[300];
 	const char *args[7];
-	struct helper hs[4];
+	struct test_helper hs[4];
 	int64_t st[3] = { 0, 0, 0 };
 	int fd, status;
 
@@ -990,7 +848,7 @@ START_TEST(test_mutual_exclusion_processes)
 	for (int i = 0; i < 4; i++)
 		helper_spawn(&hs[i], args);
 	for (int i = 0; i < 4; i++) {
-		bool got = helper_line(&hs[i], line, sizeof line, 120000);
+		bool got = test_helper_line(&hs[i], line, sizeof line, 120000);
 
 		status = helper_reap(&hs[i], 10000);
 		ck_assert_msg(got && WIFEXITED(status) &&
@@ -1008,13 +866,14 @@ END_TEST
 
 /* Starts pg_helper hold on key with uri and waits for its grant. */
 static void
-holder_start(struct helper *hp, const char *uri, const char *key)
+holder_start(struct test_helper *hp, const char *uri, const char *key)
 {
 	const char *args[] = { "hold", uri, key, NULL };
 	char line[300];
 
 	helper_spawn(hp, args);
-	ck_assert_msg(helper_line(hp, line, sizeof line, TEST_POLL_LIMIT_MS) &&
+	ck_assert_msg(test_helper_line(hp, line, sizeof line,
+				       TEST_POLL_LIMIT_MS) &&
 			      line[0] == 'G',
 		      "helper: %s", line);
 }
@@ -1024,7 +883,7 @@ START_TEST(test_killed_holder_frees_the_key)
 	kl_provider *p = open_pg(NULL);
 	const char *key = new_key("killed");
 	int rounds = (int)kl_test_scaled(50, 10);
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter *w;
 	int64_t killed;
 
@@ -1055,7 +914,7 @@ START_TEST(test_stopped_holder_and_idle_session_timeout)
 	kl_provider *p = open_pg(NULL);
 	const char *key = new_key("stopped");
 	char uri[1024];
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter *w;
 	int64_t stopped;
 
@@ -1819,7 +1678,7 @@ START_TEST(test_fork_child_opens_its_own_sessions)
 		kl_provider_free(p);
 		_exit(r == KL_OK ? 0 : 1);
 	}
-	live_add(pid);
+	test_live_add(pid);
 	close(ctl[0]);
 	close(rep[1]);
 	ck_assert_int_eq(read(rep[0], &c, 1), 1);
@@ -1839,17 +1698,8 @@ START_TEST(test_fork_child_opens_its_own_sessions)
 	ck_assert_int_eq(write(ctl[1], "g", 1), 1);
 	close(ctl[1]);
 	close(rep[0]);
-	{
-		int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
-		pid_t r;
-
-		while ((r = waitpid(pid, &status, WNOHANG)) == 0) {
-			ck_assert_msg(now_ms() < limit, "child still running");
-			test_sleep_ms(5);
-		}
-		ck_assert_int_eq(r, pid);
-		live_remove(pid);
-	}
+	status = test_helper_reap(&(struct test_helper){ .pid = pid },
+				  TEST_POLL_LIMIT_MS);
 	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
 		      "child status 0x%x", (unsigned)status);
 	/* The parent's backends are all still there, and only they. */
@@ -2192,9 +2042,7 @@ provider_pg_suite(void)
 int
 main(void)
 {
-	SRunner *sr;
 	PGconn *c;
-	int failed;
 
 	g_uri = getenv("KEYLOCK_TEST_PG_URI");
 	if (g_uri == NULL || g_uri[0] == '\0') {
@@ -2214,9 +2062,5 @@ main(void)
 		return 77;
 	}
 	PQfinish(c);
-	sr = srunner_create(provider_pg_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(provider_pg_suite());
 }

@@ -68,14 +68,12 @@ extern char **environ;
 
 /* Slack added to every time bound: scheduling, connects, a loaded CI. */
 #define SLACK_MS 1000
-#define MAX_HELPERS 8
 
 static const char *g_uri;  /* KEYLOCK_TEST_REDIS_URI */
 static char g_host[256];
 static int g_port;
 static int g_db;
 static char g_prefix[64]; /* this test's key prefix */
-static pid_t g_live[MAX_HELPERS];
 static pid_t g_stopped;    /* a server this test stopped (SIGSTOP) */
 static pid_t g_server_pid; /* the server when the suite started */
 
@@ -265,17 +263,9 @@ static kl_provider *
 open_opts(const char *opts)
 {
 	char uri[1024];
-	kl_provider *p = NULL;
-	kl_error err;
-	int rc;
 
 	uri_with(uri, sizeof uri, opts);
-	memset(&err, 0, sizeof err);
-	rc = kl_provider_open(&p, uri, &err);
-	ck_assert_msg(rc == KL_OK, "kl_provider_open: %s: %s", kl_strerror(rc),
-		      err.message);
-	ck_assert_ptr_nonnull(p);
-	return p;
+	return test_provider_open(uri);
 }
 
 /* The usual provider: no restart guard (the test server is fresh). */
@@ -346,48 +336,11 @@ hold_free(struct hold *h)
 	h->l = NULL;
 }
 
-static void
-status_of(kl_provider *p, const char *key, size_t *holders, size_t *waiters)
-{
-	kl_error err;
-	int rc;
-
-	memset(&err, 0, sizeof err);
-	rc = kl_provider_status(p, key, holders, waiters, &err);
-	ck_assert_msg(rc == KL_OK, "kl_provider_status: %s: %s",
-		      kl_strerror(rc), err.message);
-}
-
-static void
-assert_status(kl_provider *p, const char *key, size_t holders,
-	      size_t waiters)
-{
-	size_t h, w;
-
-	status_of(p, key, &h, &w);
-	ck_assert_msg(h == holders && w == waiters,
-		      "key %s: %zu holders and %zu waiters, expected %zu and "
-		      "%zu",
-		      key, h, w, holders, waiters);
-}
-
 /* Polls until key has exactly holders and waiters. */
 static void
 wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
 {
-	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
-	size_t h, w;
-
-	for (;;) {
-		status_of(p, key, &h, &w);
-		if (h == holders && w == waiters)
-			return;
-		if (now_ms() > limit)
-			ck_abort_msg("key %s: still %zu holders and %zu "
-				     "waiters, expected %zu and %zu",
-				     key, h, w, holders, waiters);
-		test_sleep_ms(2);
-	}
+	test_wait_status(p, key, holders, waiters, TEST_POLL_LIMIT_MS);
 }
 
 /* ------------------------------------------------------------------ */
@@ -452,162 +405,31 @@ waiter_join(struct waiter *w)
 /* ------------------------------------------------------------------ */
 /* Helper processes (test/redis_helper)                                */
 
-struct helper {
-	pid_t pid;
-	int to, from;
-};
-
-static const char *
-helper_path(void)
-{
-	static char path[PATH_MAX];
-	char self[PATH_MAX], *slash;
-	const char *top = getenv("top_builddir");
-	ssize_t n;
-
-	if (path[0] != '\0')
-		return path;
-	n = readlink("/proc/self/exe", self, sizeof self - 1);
-	if (n > 0) {
-		self[n] = '\0';
-		if ((slash = strrchr(self, '/')) != NULL) {
-			*slash = '\0';
-			int len = snprintf(path, sizeof path,
-					   "%s/redis_helper", self);
-
-			if (len > 0 && (size_t)len < sizeof path &&
-			    access(path, X_OK) == 0)
-				return path;
-		}
-	}
-	if (snprintf(path, sizeof path, "%s/test/redis/redis_helper",
-		     top != NULL ? top : ".") >= (int)sizeof path)
-		path[0] = '\0';
-	return path;
-}
-
-static void
-live_add(pid_t pid)
-{
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] == 0) {
-			g_live[i] = pid;
-			return;
-		}
-	}
-	kill(pid, SIGKILL);
-	waitpid(pid, NULL, 0);
-	ck_abort_msg("too many helper processes");
-}
-
-static void
-live_remove(pid_t pid)
-{
-	for (int i = 0; i < MAX_HELPERS; i++)
-		if (g_live[i] == pid)
-			g_live[i] = 0;
-}
-
 /* Starts redis_helper with args (NULL-terminated, after the program
  * name), with pipes to its stdin and from its stdout. */
 static void
-helper_spawn(struct helper *h, const char **args)
+helper_spawn(struct test_helper *h, const char **args)
 {
-	posix_spawn_file_actions_t fa;
-	char *argv[10];
-	int in[2], out[2], rc, n = 0;
-
-	argv[n++] = (char *)"redis_helper";
-	while (*args != NULL && n < 9)
-		argv[n++] = (char *)*args++;
-	argv[n] = NULL;
-	ck_assert_int_eq(pipe2(in, O_CLOEXEC), 0);
-	ck_assert_int_eq(pipe2(out, O_CLOEXEC), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_init(&fa), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, in[0], 0), 0);
-	ck_assert_int_eq(posix_spawn_file_actions_adddup2(&fa, out[1], 1), 0);
-	rc = posix_spawn(&h->pid, helper_path(), &fa, NULL, argv, environ);
-	posix_spawn_file_actions_destroy(&fa);
-	close(in[0]);
-	close(out[1]);
-	ck_assert_msg(rc == 0, "posix_spawn %s: %s", helper_path(),
-		      strerror(rc));
-	live_add(h->pid);
-	h->to = in[1];
-	h->from = out[0];
+	test_helper_spawn(h, test_helper_path("test/redis", "redis_helper",
+					      true),
+			  args, NULL);
 }
 
-/* One line from the helper (without the newline); false at end of file. */
-static bool
-helper_line(struct helper *h, char *buf, size_t size)
-{
-	int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
-	struct pollfd pfd = { .fd = h->from, .events = POLLIN };
-	size_t n = 0;
-	ssize_t r;
-	char c;
-
-	for (;;) {
-		int64_t left = limit - now_ms();
-
-		ck_assert_msg(left > 0, "no line from helper %d",
-			      (int)h->pid);
-		if (poll(&pfd, 1, (int)left) <= 0)
-			continue;
-		r = read(h->from, &c, 1);
-		if (r < 0 && errno == EINTR)
-			continue;
-		ck_assert_msg(r >= 0, "read from helper: %s", strerror(errno));
-		if (r == 0) {
-			buf[n] = '\0';
-			return false;
-		}
-		if (c == '\n')
-			break;
-		if (n + 1 < size)
-			buf[n++] = c;
-	}
-	buf[n] = '\0';
-	return true;
-}
-
-static uint64_t
-helper_granted(struct helper *h)
-{
-	char line[300];
-	uint64_t fence = 0;
-
-	ck_assert_msg(helper_line(h, line, sizeof line),
-		      "helper %d ended without a grant", (int)h->pid);
-	ck_assert_msg(sscanf(line, "G %" SCNu64, &fence) == 1, "helper %d: %s",
-		      (int)h->pid, line);
-	return fence;
-}
-
+/* Waits for the helper to exit; returns its wait status. */
 static int
-helper_reap(struct helper *h)
+helper_reap(struct test_helper *h)
 {
-	int64_t limit = now_ms() + 60000;
-	int status = 0;
-	pid_t r;
+	int status = test_helper_reap(h, 60000);
 
-	while ((r = waitpid(h->pid, &status, WNOHANG)) == 0) {
-		ck_assert_msg(now_ms() < limit, "helper %d still running",
-			      (int)h->pid);
-		test_sleep_ms(5);
-	}
-	ck_assert_int_eq(r, h->pid);
-	live_remove(h->pid);
-	close(h->to);
-	close(h->from);
+	test_helper_close(h);
 	return status;
 }
 
 static void
-helper_kill(struct helper *h)
+helper_kill(struct test_helper *h)
 {
-	ck_assert_int_eq(kill(h->pid, SIGKILL), 0);
-	helper_reap(h);
+	test_helper_kill(h);
+	test_helper_close(h);
 }
 
 /* ------------------------------------------------------------------ */
@@ -620,7 +442,6 @@ setup(void)
 
 	snprintf(g_prefix, sizeof g_prefix, "kltest:%d:%d:", (int)getpid(),
 		 atomic_fetch_add(&counter, 1));
-	memset(g_live, 0, sizeof g_live);
 	unsetenv("KEYLOCK_REDIS_PASSWORD");
 }
 
@@ -631,13 +452,7 @@ teardown(void)
 		kill(g_stopped, SIGCONT);
 		g_stopped = 0;
 	}
-	for (int i = 0; i < MAX_HELPERS; i++) {
-		if (g_live[i] > 0) {
-			kill(g_live[i], SIGKILL);
-			waitpid(g_live[i], NULL, 0);
-			g_live[i] = 0;
-		}
-	}
+	test_helpers_kill();
 }
 
 /* In the runner's process, after the server tests: a test that failed
@@ -758,7 +573,7 @@ START_TEST(test_acquire_release)
 	take_ok(p, "alpha", 0, &h);
 	ck_assert(kl_lease_valid(h.lease));
 	ck_assert_uint_gt(kl_lease_fence(h.lease), 0);
-	assert_status(p, "alpha", 1, 0);
+	test_assert_status(p, "alpha", 1, 0);
 	/* The key holds a 32-hex-digit token and expires by itself. */
 	r = rcmd(c, 2, get);
 	ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
@@ -770,7 +585,7 @@ START_TEST(test_acquire_release)
 	ck_assert_int_eq(tev_count(&h.ev, KL_EV_ACQUIRED), 1);
 	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASED), 1);
 	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 0);
-	assert_status(p, "alpha", 0, 0);
+	test_assert_status(p, "alpha", 0, 0);
 	/* Only the fence counter stays, and it expires too. */
 	ck_assert_int_eq(count_keys(",:f,"), 1);
 	hold_free(&h);
@@ -860,7 +675,7 @@ START_TEST(test_fork_child_connects_anew)
 		kl_provider_free(p);
 		_exit(0);
 	}
-	live_add(pid);
+	test_live_add(pid);
 	close(ctl[0]);
 	close(rep[1]);
 	ck_assert_int_eq(read(rep[0], &ch, 1), 1);
@@ -877,17 +692,8 @@ START_TEST(test_fork_child_connects_anew)
 	ck_assert_int_eq(write(ctl[1], "g", 1), 1);
 	close(ctl[1]);
 	close(rep[0]);
-	{
-		int64_t limit = now_ms() + TEST_POLL_LIMIT_MS;
-		pid_t r;
-
-		while ((r = waitpid(pid, &status, WNOHANG)) == 0) {
-			ck_assert_msg(now_ms() < limit, "child still running");
-			test_sleep_ms(5);
-		}
-		ck_assert_int_eq(r, pid);
-		live_remove(pid);
-	}
+	status = test_helper_reap(&(struct test_helper){ .pid = pid },
+				  TEST_POLL_LIMIT_MS);
 	ck_assert_msg(WIFEXITED(status) && WEXITSTATUS(status) == 0,
 		      "child status 0x%x", (unsigned)status);
 	nd = client_ids(c, during, 256);
@@ -903,8 +709,8 @@ START_TEST(test_fork_child_connects_anew)
 		last = f;
 		hold_free(&h);
 	}
-	assert_status(p, "fork", 0, 0);
-	assert_status(p, "forkchild", 0, 0);
+	test_assert_status(p, "fork", 0, 0);
+	test_assert_status(p, "forkchild", 0, 0);
 	redisFree(c);
 	kl_provider_free(p);
 }
@@ -931,7 +737,7 @@ START_TEST(test_binary_keys)
 		take_ok(p, keys[i], 0, &h[i]);
 	/* All held at once: distinct locks. */
 	for (size_t i = 0; i < 5; i++)
-		assert_status(p, keys[i], 1, 0);
+		test_assert_status(p, keys[i], 1, 0);
 	ck_assert_int_eq(count_keys(",,:f,"), 10);
 	for (size_t i = 0; i < 5; i++)
 		hold_free(&h[i]);
@@ -939,7 +745,7 @@ START_TEST(test_binary_keys)
 	memset(big, 'k', big_len);
 	big[big_len] = '\0';
 	take_ok(p, big, 0, &hb);
-	assert_status(p, big, 1, 0);
+	test_assert_status(p, big, 1, 0);
 	hold_free(&hb);
 	free(big);
 	kl_provider_free(p);
@@ -998,7 +804,7 @@ START_TEST(test_fifo_threads)
 			ck_assert_uint_gt(w[i].fence, w[i - 1].fence);
 		hold_free(&w[i].h);
 	}
-	assert_status(p, "fifo", 0, 0);
+	test_assert_status(p, "fifo", 0, 0);
 	ck_assert_int_eq(count_keys(",:f,"), 1);
 	hold_free(&h);
 	kl_provider_free(p);
@@ -1013,7 +819,7 @@ START_TEST(test_mutual_exclusion_processes)
 {
 	char uri[1024], file[] = "/tmp/kl-redis-mutex.XXXXXX", iters[16];
 	const char *args[7];
-	struct helper h[4];
+	struct test_helper h[4];
 	struct shared *sh;
 	long n = kl_test_scaled(25, 5);
 	int fd;
@@ -1075,7 +881,7 @@ START_TEST(test_timeout)
 	ck_assert_int_eq(tev_count(&t.ev, KL_EV_REJECTED), 1);
 	ck_assert_int_eq(t.ev.last_status, KL_ETIMEDOUT);
 	/* Nothing of the waiter is left: no queue, heartbeat or wake list. */
-	assert_status(p, "to", 1, 0);
+	test_assert_status(p, "to", 1, 0);
 	ck_assert_int_eq(count_keys(",,:f,"), 2);
 	hold_free(&t);
 	hold_free(&h);
@@ -1095,7 +901,7 @@ START_TEST(test_try_once)
 	ck_assert_int_eq(take(p, "try", 0, 0, NULL, &t, &err), KL_ETIMEDOUT);
 	ck_assert_int_le(now_ms() - t0, SLACK_MS);
 	/* Never queued. */
-	assert_status(p, "try", 1, 0);
+	test_assert_status(p, "try", 1, 0);
 	ck_assert_int_eq(count_keys(",,:f,"), 2);
 	hold_free(&t);
 	drop(&h);
@@ -1125,12 +931,12 @@ START_TEST(test_cancel)
 	ck_assert_int_eq(w.rc, KL_ECANCELED);
 	/* Noticed within a slice of its BLPOP, not at its timeout. */
 	ck_assert_int_le((w.end_ns - t0) / 1000000, 500);
-	assert_status(p, "cx", 1, 0);
+	test_assert_status(p, "cx", 1, 0);
 	ck_assert_int_eq(count_keys(",,:f,"), 2);
 	hold_free(&w.h);
 	/* A token fired before the call: at once, nothing queued. */
 	ck_assert_int_eq(take(p, "cx", 20000, 0, c, &w.h, NULL), KL_ECANCELED);
-	assert_status(p, "cx", 1, 0);
+	test_assert_status(p, "cx", 1, 0);
 	hold_free(&w.h);
 	hold_free(&h);
 	kl_cancel_free(c);
@@ -1146,14 +952,14 @@ START_TEST(test_holder_killed)
 	char uri[1024];
 	const char *args[] = { "hold", uri, "dead", "1000", NULL };
 	kl_provider *p = open_default();
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter w;
 	int64_t t0;
 
 	memset(&w, 0, sizeof w);
 	uri_with(uri, sizeof uri, "restart_guard=0");
 	helper_spawn(&hp, args);
-	helper_granted(&hp);
+	test_helper_granted(&hp, TEST_POLL_LIMIT_MS);
 	waiter_start(&w, p, "dead", 20000, NULL);
 	wait_status(p, "dead", 1, 1);
 	t0 = now_ns();
@@ -1172,7 +978,7 @@ START_TEST(test_dead_waiter_at_head)
 	char uri[1024];
 	const char *args[] = { "wait", uri, "head", "60000", NULL };
 	kl_provider *p = open_opts("restart_guard=0&heartbeat=500ms");
-	struct helper hp;
+	struct test_helper hp;
 	struct waiter w;
 	struct hold h;
 	int64_t t0;
@@ -1193,7 +999,7 @@ START_TEST(test_dead_waiter_at_head)
 	ck_assert_int_le((w.end_ns - t0) / 1000000, 500 + SLACK_MS);
 	hold_free(&w.h);
 	hold_free(&h);
-	assert_status(p, "head", 0, 0);
+	test_assert_status(p, "head", 0, 0);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1238,7 +1044,7 @@ START_TEST(test_foreign_release)
 		ck_assert_int_eq(r->type, REDIS_REPLY_STRING);
 		ck_assert_str_eq(r->str, holder);
 		freeReplyObject(r);
-		assert_status(b, "own", 1, 0);
+		test_assert_status(b, "own", 1, 0);
 		ck_assert(kl_lease_valid(hb.lease));
 		drop(&hb);
 		ck_assert_int_eq(tev_count(&hb.ev, KL_EV_RELEASED), 1);
@@ -1791,7 +1597,7 @@ START_TEST(test_stalled_late_grant)
 	ck_assert_msg(rc == KL_OK, "the key is still taken: %s: %s",
 		      kl_strerror(rc), err.message);
 	/* Nothing of p's token is left: no queue entry, no heartbeat. */
-	assert_status(q, "late", 1, 0);
+	test_assert_status(q, "late", 1, 0);
 	hold_free(&t);
 	ck_assert_int_eq(count_keys(",:f,"), 1);
 	kl_provider_free(q);
@@ -1828,7 +1634,7 @@ START_TEST(test_stalled_waiter_leaves)
 	rc = take(q, "gone", 5000, 0, NULL, &t, &err);
 	ck_assert_msg(rc == KL_OK, "still queued behind the waiter: %s: %s",
 		      kl_strerror(rc), err.message);
-	assert_status(q, "gone", 1, 0);
+	test_assert_status(q, "gone", 1, 0);
 	hold_free(&t);
 	hold_free(&h);
 	kl_provider_free(q);
@@ -2041,12 +1847,7 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
-
-	tcase_set_timeout(tc, timeout);
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
-	return tc;
+	return test_tcase(s, name, timeout, setup, teardown);
 }
 
 static Suite *
@@ -2109,11 +1910,8 @@ provider_redis_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
 	redisContext *c;
 	long long pid;
-	SRunner *sr;
-	int failed;
 
 	g_uri = getenv("KEYLOCK_TEST_REDIS_URI");
 	if (g_uri == NULL || g_uri[0] == '\0') {
@@ -2134,16 +1932,6 @@ main(void)
 	redisFree(c);
 	if (info_try("process_id", &pid))
 		g_server_pid = (pid_t)pid;
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
-	sr = srunner_create(provider_redis_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	test_provider_dir();
+	return test_run_suite(provider_redis_suite());
 }

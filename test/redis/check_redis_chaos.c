@@ -50,7 +50,6 @@
 #include <check.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <inttypes.h>
 #include <limits.h>
 #include <netinet/in.h>
@@ -153,49 +152,6 @@ struct srv {
 	int runs;
 };
 
-/* A free port below the kernel's ephemeral range: while a server is
- * down, an outgoing connection (there are thousands here) could otherwise
- * be given its port, and the restart could not bind it. */
-static int
-free_port(void)
-{
-	FILE *f = fopen("/proc/sys/net/ipv4/ip_local_port_range", "r");
-	int low = 32768, high = 60999, lo, span;
-
-	if (f != NULL) {
-		if (fscanf(f, "%d %d", &low, &high) != 2) {
-			low = 32768;
-			high = 60999;
-		}
-		fclose(f);
-	}
-	if (low >= 21000) {
-		lo = 20000; /* below the range */
-		span = low - lo;
-	} else {
-		lo = high + 1; /* above it */
-		span = 65000 - lo;
-	}
-	if (span < 100)
-		return -1;
-	for (int i = 0; i < 200; i++) {
-		struct sockaddr_in a = { .sin_family = AF_INET };
-		int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		int port = lo + (int)(random() % span);
-		bool ok;
-
-		if (fd < 0)
-			return -1;
-		a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-		a.sin_port = htons((uint16_t)port);
-		ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
-		close(fd);
-		if (ok)
-			return port;
-	}
-	return -1;
-}
-
 static redisContext *
 connect_port(int port, int timeout_ms)
 {
@@ -228,6 +184,13 @@ ping_port(int port)
 	return ok;
 }
 
+/* test_server_spawn's ready: arg is the port. */
+static bool
+ping_ready(void *arg)
+{
+	return ping_port(*(const int *)arg);
+}
+
 /* Starts one run of s on s->port; false when it did not answer (the port
  * may have been taken meanwhile). */
 static bool
@@ -237,7 +200,6 @@ srv_spawn(struct srv *s)
 	char *argv[24];
 	int n = 0;
 	pid_t pid;
-	int64_t limit;
 
 	snprintf(port, sizeof port, "%d", s->port);
 	snprintf(log, sizeof log, "%s/redis.log", s->dir);
@@ -262,41 +224,10 @@ srv_spawn(struct srv *s)
 	argv[n++] = log;
 	argv[n] = NULL;
 	s->spawned_ns = now_ns();
-	pid = fork();
-	if (pid < 0)
-		return false;
-	if (pid == 0) {
-		/* Only async-signal-safe calls until exec. */
-		int nul = open("/dev/null", O_RDWR);
-		sigset_t none;
-
-		sigemptyset(&none);
-		sigprocmask(SIG_SETMASK, &none, NULL);
-		prctl(PR_SET_PDEATHSIG, SIGKILL);
-		if (nul >= 0) {
-			dup2(nul, 0);
-			dup2(nul, 1);
-			dup2(nul, 2);
-		}
-		execv(g_server_bin, argv);
-		_exit(127);
-	}
-	s->pid = pid;
 	s->runs++;
-	limit = now_ms() + 10000;
-	while (now_ms() < limit) {
-		if (ping_port(s->port))
-			return true;
-		if (waitpid(pid, NULL, WNOHANG) == pid) {
-			s->pid = 0;
-			return false;
-		}
-		test_sleep_ms(10);
-	}
-	kill(pid, SIGKILL);
-	waitpid(pid, NULL, 0);
-	s->pid = 0;
-	return false;
+	pid = test_server_spawn(argv, ping_ready, &s->port, 10000);
+	s->pid = pid > 0 ? pid : 0;
+	return pid > 0;
 }
 
 /* A new server in a folder of its own on a free port; any thread. */
@@ -312,7 +243,7 @@ srv_start(struct srv *s, bool aof)
 	if (mkdtemp(s->dir) == NULL)
 		return false;
 	for (int i = 0; i < 5; i++) {
-		if ((s->port = free_port()) > 0 && srv_spawn(s))
+		if ((s->port = test_free_port()) > 0 && srv_spawn(s))
 			return true;
 	}
 	return false;
@@ -341,22 +272,12 @@ srv_restart(struct srv *s)
 	return false;
 }
 
-static int
-rm_entry(const char *path, const struct stat *st, int flag, struct FTW *f)
-{
-	(void)st;
-	(void)flag;
-	(void)f;
-	remove(path);
-	return 0;
-}
-
 static void
 srv_stop(struct srv *s)
 {
 	srv_kill(s);
 	if (s->dir[0] != '\0')
-		nftw(s->dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+		test_remove_tree(s->dir);
 	s->dir[0] = '\0';
 }
 
@@ -387,7 +308,7 @@ srv_wipe(struct srv *s)
 	char path[PATH_MAX + 32];
 
 	snprintf(path, sizeof path, "%s/appendonlydir", s->dir);
-	nftw(path, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+	test_remove_tree(path);
 	snprintf(path, sizeof path, "%s/appendonly.aof", s->dir);
 	remove(path);
 	snprintf(path, sizeof path, "%s/dump.rdb", s->dir);
@@ -2889,13 +2810,10 @@ END_TEST
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
-	TCase *tc = tcase_create(name);
 	double scale = kl_test_scale();
 
-	tcase_set_timeout(tc, (double)timeout * (scale > 1 ? scale : 1));
-	tcase_add_checked_fixture(tc, setup, teardown);
-	suite_add_tcase(s, tc);
-	return tc;
+	return test_tcase(s, name, (double)timeout * (scale > 1 ? scale : 1),
+			  setup, teardown);
 }
 
 static Suite *
@@ -2933,9 +2851,6 @@ redis_chaos_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
-	SRunner *sr;
-	int failed;
 
 	srandom((unsigned)getpid() ^ (unsigned)now_ns());
 	g_server_bin = getenv("KEYLOCK_TEST_REDIS_SERVER");
@@ -2945,17 +2860,7 @@ main(void)
 		       "redis-server (tools/test --only redis sets it)\n");
 		return 77;
 	}
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
+	test_provider_dir();
 	setvbuf(stdout, NULL, _IOLBF, 0);
-	sr = srunner_create(redis_chaos_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return test_run_suite(redis_chaos_suite());
 }

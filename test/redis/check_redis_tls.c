@@ -50,29 +50,9 @@ static pid_t g_pid, g_pid_mtls;
 /* ------------------------------------------------------------------ */
 /* Set-up, in main (before the tests fork)                            */
 
-static int
-free_port(void)
-{
-	for (int i = 0; i < 200; i++) {
-		struct sockaddr_in a = { .sin_family = AF_INET };
-		int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-		int port = 20000 + (int)(random() % 12000);
-		bool ok;
-
-		if (fd < 0)
-			return -1;
-		a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-		a.sin_port = htons((uint16_t)port);
-		ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
-		close(fd);
-		if (ok)
-			return port;
-	}
-	return -1;
-}
-
+/* test_server_spawn's ready: arg is the port, open for connections. */
 static bool
-port_open(int port)
+port_open(void *arg)
 {
 	struct sockaddr_in a = { .sin_family = AF_INET };
 	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
@@ -81,7 +61,7 @@ port_open(int port)
 	if (fd < 0)
 		return false;
 	a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-	a.sin_port = htons((uint16_t)port);
+	a.sin_port = htons((uint16_t)*(const int *)arg);
 	ok = connect(fd, (struct sockaddr *)&a, sizeof a) == 0;
 	close(fd);
 	return ok;
@@ -161,7 +141,7 @@ start_server(int *port_out, bool mtls)
 				       "--dir", g_dir,
 				       "--logfile", log,
 				       NULL };
-		int port_n = free_port();
+		int port_n = test_free_port();
 		pid_t pid;
 
 		if (port_n < 0)
@@ -171,32 +151,12 @@ start_server(int *port_out, bool mtls)
 		snprintf(crt, sizeof crt, "%s/server.crt", g_dir);
 		snprintf(key, sizeof key, "%s/server.key", g_dir);
 		snprintf(ca, sizeof ca, "%s/ca.crt", g_dir);
-		pid = fork();
-		if (pid < 0)
-			return 0;
-		if (pid == 0) {
-			int nul = open("/dev/null", O_RDWR);
-
-			prctl(PR_SET_PDEATHSIG, SIGKILL);
-			if (nul >= 0) {
-				dup2(nul, 0);
-				dup2(nul, 1);
-				dup2(nul, 2);
-			}
-			execv(g_server_bin, (char *const *)argv);
-			_exit(127);
+		pid = test_server_spawn((char *const *)argv, port_open,
+					&port_n, 10000);
+		if (pid > 0) {
+			*port_out = port_n;
+			return pid;
 		}
-		for (int i = 0; i < 1000; i++) {
-			if (port_open(port_n)) {
-				*port_out = port_n;
-				return pid;
-			}
-			if (waitpid(pid, NULL, WNOHANG) == pid)
-				break;
-			test_sleep_ms(10);
-		}
-		kill(pid, SIGKILL);
-		waitpid(pid, NULL, 0);
 		fprintf(stderr, "check_redis_tls: redis-server with TLS did "
 				"not start; its log:\n");
 		{
@@ -662,18 +622,10 @@ redis_tls_suite(void)
 int
 main(void)
 {
-	const char *top = getenv("top_builddir");
-	SRunner *sr;
-	int failed;
+	int rc;
 
 	srandom((unsigned)getpid() ^ (unsigned)now_ns());
-	/* Run by hand from the build tree: load the provider built here. */
-	if (getenv("KEYLOCK_PROVIDER_DIR") == NULL && top != NULL) {
-		char dir[PATH_MAX];
-
-		snprintf(dir, sizeof dir, "%s/src/.libs", top);
-		setenv("KEYLOCK_PROVIDER_DIR", dir, 1);
-	}
+	test_provider_dir();
 	setvbuf(stdout, NULL, _IOLBF, 0);
 #ifdef HAVE_REDIS_TLS
 	const char *tmp = getenv("TMPDIR");
@@ -705,12 +657,9 @@ main(void)
 	       "certificates), files in %s\n",
 	       g_port, g_port_mtls, g_dir);
 #endif
-	sr = srunner_create(redis_tls_suite());
-	srunner_run_all(sr, CK_ENV);
-	failed = srunner_ntests_failed(sr);
-	srunner_free(sr);
+	rc = test_run_suite(redis_tls_suite());
 #ifdef HAVE_REDIS_TLS
 	stop_servers();
 #endif
-	return failed == 0 ? EXIT_SUCCESS : EXIT_FAILURE;
+	return rc;
 }

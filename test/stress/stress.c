@@ -153,10 +153,31 @@ st_debug_yield_on(void)
 	return true;
 }
 
+/* Appends the test's name and seed to a failure's message. */
+static void
+add_seed(char *msg, size_t size)
+{
+	size_t len = strlen(msg);
+
+	if (len < size)
+		snprintf(msg + len, size - len,
+			 " [%s; replay with KL_TEST_SEED=%" PRIu64 "]",
+			 test_name, seed);
+}
+
+/* test_failing for the helpers of util.c: what st_assert does. */
+static void
+st_failing(const char *expr, char *msg, size_t size)
+{
+	add_seed(msg, size);
+	st_fail_prepare(expr, msg);
+}
+
 void
 st_begin(const char *name)
 {
 	test_name = name;
+	test_failing = st_failing;
 	test_start_ns = now_ns();
 	fprintf(stderr, "stress: %s: start, KL_TEST_SEED=%" PRIu64
 			" KL_TEST_SCALE=%g%s\n",
@@ -197,16 +218,11 @@ void
 st_msg(char *buf, size_t size, const char *fmt, ...)
 {
 	va_list ap;
-	size_t len;
 
 	va_start(ap, fmt);
 	vsnprintf(buf, size, fmt, ap);
 	va_end(ap);
-	len = strlen(buf);
-	if (len < size)
-		snprintf(buf + len, size - len,
-			 " [%s; replay with KL_TEST_SEED=%" PRIu64 "]",
-			 test_name, seed);
+	add_seed(buf, size);
 }
 
 void
@@ -294,15 +310,7 @@ st_wait_until_ns(int64_t t_ns)
 bool
 st_poll(bool (*cond)(void *arg), void *arg, int64_t limit_ms)
 {
-	int64_t limit = now_ns() + limit_ms * ST_MS;
-	unsigned spins = 0;
-
-	while (!cond(arg)) {
-		if (now_ns() > limit)
-			return cond(arg);
-		test_relax(&spins);
-	}
-	return true;
+	return test_poll_for(cond, arg, limit_ms);
 }
 
 struct count_cond {
@@ -326,35 +334,16 @@ st_poll_count(atomic_long *v, long n, int64_t limit_ms)
 	return st_poll(count_reached, &c, limit_ms);
 }
 
-struct queue_cond {
-	kl_mutex *m;
-	kl_reset_event *e;
-	size_t n;
-};
-
-static bool
-queue_is(void *arg)
-{
-	struct queue_cond *c = arg;
-
-	return (c->m != NULL ? kl_mutex_queue_size(c->m)
-			     : kl_reset_event_queue_size(c->e)) == c->n;
-}
-
 bool
 st_poll_queue(kl_mutex *m, size_t n, int64_t limit_ms)
 {
-	struct queue_cond c = { .m = m, .n = n };
-
-	return st_poll(queue_is, &c, limit_ms);
+	return test_poll_mutex_queue(m, n, limit_ms);
 }
 
 bool
 st_poll_event_queue(kl_reset_event *e, size_t n, int64_t limit_ms)
 {
-	struct queue_cond c = { .e = e, .n = n };
-
-	return st_poll(queue_is, &c, limit_ms);
+	return test_poll_event_queue(e, n, limit_ms);
 }
 
 static int
@@ -628,4 +617,72 @@ st_rss_kib(void)
 		rss = 0;
 	fclose(f);
 	return rss * (sysconf(_SC_PAGESIZE) / 1024);
+}
+
+/* ------------------------------------------------------------------ */
+
+int
+st_outcome(int rc)
+{
+	switch (rc) {
+	case KL_OK:
+		return 0;
+	case KL_ETIMEDOUT:
+		return 1;
+	case KL_ECANCELED:
+		return 2;
+	case KL_EOVERFLOW:
+		return 3;
+	default:
+		return -1;
+	}
+}
+
+void
+st_slot_init(struct st_slot *s)
+{
+	pthread_mutex_init(&s->mu, NULL);
+	s->c = NULL;
+}
+
+void
+st_slot_fini(struct st_slot *s)
+{
+	kl_cancel_free(s->c);
+	s->c = NULL;
+	pthread_mutex_destroy(&s->mu);
+}
+
+kl_cancel *
+st_slot_token(struct st_slot *s, struct st_rng *r)
+{
+	kl_cancel *c;
+
+	if (st_below(r, 2) == 0)
+		return NULL;
+	pthread_mutex_lock(&s->mu);
+	if (s->c == NULL || kl_cancel_fired(s->c)) {
+		kl_cancel_free(s->c);
+		s->c = NULL;
+		if (st_below(r, 4) == 0) {
+			int64_t ms = 1 + (int64_t)st_below(r, 20);
+
+			if (kl_cancel_new_timeout(&s->c, ms) != KL_OK)
+				s->c = NULL;
+		} else if (kl_cancel_new(&s->c) != KL_OK) {
+			s->c = NULL;
+		}
+	}
+	c = s->c;
+	pthread_mutex_unlock(&s->mu);
+	return c;
+}
+
+void
+st_slot_fire(struct st_slot *s)
+{
+	pthread_mutex_lock(&s->mu);
+	if (s->c != NULL)
+		kl_cancel_fire(s->c);
+	pthread_mutex_unlock(&s->mu);
 }

@@ -111,6 +111,25 @@ uint64_t st_below(struct st_rng *r, uint64_t n);
 /* A random permutation of 0..n-1 into v. */
 void st_shuffle(struct st_rng *r, int *v, int n);
 
+/* Where a wait's status is counted: 0 KL_OK, 1 KL_ETIMEDOUT, 2
+ * KL_ECANCELED, 3 KL_EOVERFLOW; -1 for any other (a bad one). */
+int st_outcome(int rc);
+
+/* A worker's cancellation token, which other workers may fire. */
+struct st_slot {
+	pthread_mutex_t mu;
+	kl_cancel *c;
+};
+void st_slot_init(struct st_slot *s);
+/* Frees the token (after the workers are joined). */
+void st_slot_fini(struct st_slot *s);
+/* The token for the owner's next wait, renewed once fired (a timeout of
+ * 1-20 ms a quarter of the time); NULL half of the time, and when none
+ * could be made.  The owner's thread only, with its r. */
+kl_cancel *st_slot_token(struct st_slot *s, struct st_rng *r);
+/* Fires s's token, if there is one; any thread. */
+void st_slot_fire(struct st_slot *s);
+
 /* ------------------------------------------------------------------ */
 /* Time and waiting */
 

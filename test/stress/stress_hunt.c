@@ -80,17 +80,12 @@ struct h_key {
 	uint64_t last_fence; /* inside the table key only */
 };
 
-struct h_slot {
-	pthread_mutex_t mu;
-	kl_cancel *c;
-};
-
 struct h_worker {
 	struct hunt *h;
 	int idx;
 	pthread_t th;
 	struct st_rng r;
-	struct h_slot slot;
+	struct st_slot slot;
 	/* What the thread is doing, for the watchdog. */
 	atomic_int op, op_key;
 	atomic_llong op_start, op_timeout;
@@ -138,67 +133,22 @@ outcome(struct h_worker *w, int rc, int64_t timeout, int64_t t0,
 	bool overflow_ok)
 {
 	struct hunt *h = w->h;
+	int i = st_outcome(rc);
 
-	switch (rc) {
-	case KL_OK:
-		w->outcomes[0]++;
-		break;
-	case KL_ETIMEDOUT:
-		w->outcomes[1]++;
-		if (timeout > 0 && now_ns() - t0 < timeout * ST_MS)
-			atomic_fetch_add(&h->early, 1);
-		break;
-	case KL_ECANCELED:
-		w->outcomes[2]++;
-		break;
-	case KL_EOVERFLOW:
-		w->outcomes[3]++;
-		if (!overflow_ok)
-			atomic_fetch_add(&h->bad, 1);
-		break;
-	default:
+	if (i >= 0)
+		w->outcomes[i]++;
+	if (i < 0 || (rc == KL_EOVERFLOW && !overflow_ok))
 		atomic_fetch_add(&h->bad, 1);
-		break;
-	}
+	else if (rc == KL_ETIMEDOUT && timeout > 0 &&
+		 now_ns() - t0 < timeout * ST_MS)
+		atomic_fetch_add(&h->early, 1);
 }
 
-/* This thread's token for the next wait, renewed once fired; NULL half of
- * the time. */
-static kl_cancel *
-my_token(struct h_worker *w)
-{
-	kl_cancel *c;
-
-	if (st_below(&w->r, 2) == 0)
-		return NULL;
-	pthread_mutex_lock(&w->slot.mu);
-	if (w->slot.c == NULL || kl_cancel_fired(w->slot.c)) {
-		kl_cancel_free(w->slot.c);
-		w->slot.c = NULL;
-		if (st_below(&w->r, 4) == 0) {
-			if (kl_cancel_new_timeout(&w->slot.c,
-						  1 + (int64_t)st_below(&w->r,
-									20)) !=
-			    KL_OK)
-				w->slot.c = NULL;
-		} else if (kl_cancel_new(&w->slot.c) != KL_OK) {
-			w->slot.c = NULL;
-		}
-	}
-	c = w->slot.c;
-	pthread_mutex_unlock(&w->slot.mu);
-	return c;
-}
-
+/* Fires the token of a worker picked at random. */
 static void
 fire_someone(struct h_worker *w)
 {
-	struct h_worker *v = &w->h->w[st_below(&w->r, H_THREADS)];
-
-	pthread_mutex_lock(&v->slot.mu);
-	if (v->slot.c != NULL)
-		kl_cancel_fire(v->slot.c);
-	pthread_mutex_unlock(&v->slot.mu);
+	st_slot_fire(&w->h->w[st_below(&w->r, H_THREADS)].slot);
 }
 
 static void
@@ -295,7 +245,7 @@ do_enter(struct h_worker *w)
 	int ki = (int)st_below(&w->r, H_KEYS);
 	struct h_key *k = &w->h->keys[ki];
 	int64_t to = h_timeouts[st_below(&w->r, H_NTIMEOUTS)], t0;
-	kl_cancel *c = my_token(w);
+	kl_cancel *c = st_slot_token(&w->slot, &w->r);
 	kl_token t;
 	int rc;
 
@@ -357,7 +307,8 @@ do_acquire(struct h_worker *w)
 {
 	int ki = (int)st_below(&w->r, H_KEYS), ti;
 	struct h_key *k = &w->h->keys[ki];
-	kl_call call = { .key = k->name, .cancel = my_token(w) };
+	kl_call call = { .key = k->name,
+			 .cancel = st_slot_token(&w->slot, &w->r) };
 	kl_lease *lease;
 	int64_t t0;
 	uint64_t fence;
@@ -389,7 +340,7 @@ do_event_wait(struct h_worker *w)
 {
 	int ei = (int)st_below(&w->r, H_EVENTS);
 	int64_t to = h_timeouts[st_below(&w->r, H_NTIMEOUTS)], t0;
-	kl_cancel *c = my_token(w);
+	kl_cancel *c = st_slot_token(&w->slot, &w->r);
 	int rc;
 
 	op_begin(w, OP_EVENT_WAIT, ei, to);
@@ -635,7 +586,7 @@ hunt_run(const char *name, double share)
 		w->h = &h;
 		w->idx = i;
 		st_rng_init(&w->r, 0x0610 + (uint64_t)i);
-		pthread_mutex_init(&w->slot.mu, NULL);
+		st_slot_init(&w->slot);
 	}
 	st_thread_start(&wd, 0, h_watchdog, &h);
 	t0 = now_ns();
@@ -715,8 +666,7 @@ hunt_run(const char *name, double share)
 		kl_lock_free(h.locks[i]);
 	kl_provider_free(h.p);
 	for (int i = 0; i < H_THREADS; i++) {
-		kl_cancel_free(h.w[i].slot.c);
-		pthread_mutex_destroy(&h.w[i].slot.mu);
+		st_slot_fini(&h.w[i].slot);
 	}
 }
 

@@ -32,7 +32,6 @@
 
 #include <check.h>
 #include <dirent.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -51,7 +50,7 @@
 #define NAMES 16
 #define MAX_EVENTS 8
 
-struct ctx {
+struct oom_ctx {
 	kl_provider *p;
 	kl_lock *l, *l2;
 	kl_mutex *m;
@@ -72,15 +71,6 @@ struct ctx {
 	int run_rc[3];
 };
 
-struct scenario {
-	const char *name;
-	void (*setup)(struct ctx *x);
-	int (*run)(struct ctx *x);
-	void (*check_failed)(struct ctx *x);
-	void (*teardown)(struct ctx *x);
-	bool no_alloc; /* documented to allocate nothing */
-};
-
 static int
 count_fds(void)
 {
@@ -98,66 +88,16 @@ count_fds(void)
 }
 
 static void
-sweep(const struct scenario *s)
+sweep(const struct oom_scenario *s)
 {
-	long k, n = 0, failures = 0;
-	int rc, first;
+	long n, failures;
 
-	if (s->no_alloc) {
-		struct ctx x;
-
-		memset(&x, 0, sizeof x);
-		if (s->setup != NULL)
-			s->setup(&x);
-		kl__test_fail_alloc_at(1);
-		rc = s->run(&x);
-		n = kl__test_fail_alloc_at(0);
-		st_assert(rc == KL_OK, "%s: %s with the first allocation "
-				       "failing",
-			  s->name, kl_strerror(rc));
-		st_assert(n == 0, "%s: %ld allocations, none expected", s->name,
-			  n);
-		s->teardown(&x);
+	test_oom_sweep(s, sizeof(struct oom_ctx), MAX_K, &n, &failures);
+	if (s->no_alloc)
 		st_note("%s: no allocation", s->name);
-		return;
-	}
-	for (k = 1; k <= MAX_K; k++) {
-		struct ctx x, y;
-
-		memset(&x, 0, sizeof x);
-		if (s->setup != NULL)
-			s->setup(&x);
-		kl__test_fail_alloc_at(k);
-		rc = first = s->run(&x);
-		n = kl__test_fail_alloc_at(0);
-		st_assert(rc == KL_OK || rc == KL_ENOMEM, "%s, k=%ld: %s",
-			  s->name, k, kl_strerror(rc));
-		if (rc == KL_ENOMEM) {
-			st_assert(n >= k,
-				  "%s, k=%ld: KL_ENOMEM after %ld allocations, "
-				  "none failed",
-				  s->name, k, n);
-			failures++;
-			if (s->check_failed != NULL)
-				s->check_failed(&x);
-		}
-		s->teardown(&x);
-
-		memset(&y, 0, sizeof y);
-		if (s->setup != NULL)
-			s->setup(&y);
-		rc = s->run(&y);
-		st_assert(rc == KL_OK, "%s, k=%ld: the repeat gave %s", s->name,
-			  k, kl_strerror(rc));
-		s->teardown(&y);
-		if (first == KL_OK && n < k)
-			break;
-	}
-	st_assert(k <= MAX_K, "%s: no success within %d allocations", s->name,
-		  MAX_K);
-	st_assert(failures > 0, "%s: no allocation was ever failed", s->name);
-	st_note("%s: %ld allocations, %ld runs failed with KL_ENOMEM", s->name,
-		n, failures);
+	else
+		st_note("%s: %ld allocations, %ld runs failed with KL_ENOMEM",
+			s->name, n, failures);
 }
 
 static int
@@ -173,7 +113,7 @@ nop_fn(void *arg)
 static void
 on_event(const kl_event *ev, void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	if (x->nev < MAX_EVENTS) {
 		x->ev_type[x->nev] = ev->type;
@@ -183,7 +123,7 @@ on_event(const kl_event *ev, void *arg)
 }
 
 static void
-setup_two_locks(struct ctx *x)
+setup_two_locks(struct oom_ctx *x)
 {
 	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
 
@@ -197,7 +137,7 @@ setup_two_locks(struct ctx *x)
 }
 
 static void
-teardown_locks(struct ctx *x)
+teardown_locks(struct oom_ctx *x)
 {
 	for (int i = 0; i < SHARD_KEYS; i++)
 		if (x->leases[i] != NULL)
@@ -210,7 +150,7 @@ teardown_locks(struct ctx *x)
 }
 
 static void
-check_provider_empty(struct ctx *x)
+check_provider_empty(struct oom_ctx *x)
 {
 	st_assert(kl_memory_provider_size(x->p) == 0,
 		  "an entry was left behind (%zu)",
@@ -221,7 +161,7 @@ check_provider_empty(struct ctx *x)
 
 /* Events of a run: what a success or a failure must have raised. */
 static void
-check_events(struct ctx *x, int rc, int from, const char *what)
+check_events(struct oom_ctx *x, int rc, int from, const char *what)
 {
 	int n = x->nev - from;
 
@@ -240,7 +180,7 @@ check_events(struct ctx *x, int rc, int from, const char *what)
 }
 
 static int
-run_acquire_then_queue(struct ctx *x)
+run_acquire_then_queue(struct oom_ctx *x)
 {
 	kl_call call = { .key = "alpha", .cancel = NULL };
 	kl_lease *second = (kl_lease *)x;
@@ -268,7 +208,7 @@ run_acquire_then_queue(struct ctx *x)
 
 START_TEST(test_oom_acquire_then_queue)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_acquire on a new key, then one queued behind",
 		.setup = setup_two_locks,
 		.run = run_acquire_then_queue,
@@ -301,7 +241,7 @@ find_shard_keys(void)
 }
 
 static int
-run_one_shard(struct ctx *x)
+run_one_shard(struct oom_ctx *x)
 {
 	int i, rc = KL_OK;
 
@@ -326,7 +266,7 @@ run_one_shard(struct ctx *x)
 
 START_TEST(test_oom_one_shard_grow_shrink)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "40 keys in one shard: bucket growth and shrinking",
 		.setup = setup_two_locks,
 		.run = run_one_shard,
@@ -341,7 +281,7 @@ START_TEST(test_oom_one_shard_grow_shrink)
 END_TEST
 
 static int
-run_events(struct ctx *x)
+run_events(struct oom_ctx *x)
 {
 	kl_call call = { .key = "alpha", .cancel = NULL };
 	kl_lease *lease;
@@ -363,7 +303,7 @@ run_events(struct ctx *x)
 
 START_TEST(test_oom_event_dispatch)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "event dispatch of kl_lock_run and kl_lock_acquire",
 		.setup = setup_two_locks,
 		.run = run_events,
@@ -378,7 +318,7 @@ END_TEST
 
 /* Waiting for a held key with kl_lock_run keeps the lease on the stack. */
 static void
-setup_held_key(struct ctx *x)
+setup_held_key(struct oom_ctx *x)
 {
 	kl_call call = { .key = "alpha", .cancel = NULL };
 
@@ -388,7 +328,7 @@ setup_held_key(struct ctx *x)
 }
 
 static int
-run_wait_held_key(struct ctx *x)
+run_wait_held_key(struct oom_ctx *x)
 {
 	kl_call call = { .key = "alpha", .cancel = NULL };
 	int rc = kl_lock_run(x->l2, &call, nop_fn, NULL,
@@ -399,7 +339,7 @@ run_wait_held_key(struct ctx *x)
 
 START_TEST(test_oom_wait_held_key)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_run waiting on a held key",
 		.setup = setup_held_key,
 		.run = run_wait_held_key,
@@ -416,7 +356,7 @@ END_TEST
 /* Mutex and event operations with waiters: nothing to allocate        */
 
 static void
-setup_waiters(struct ctx *x)
+setup_waiters(struct oom_ctx *x)
 {
 	st_assert(kl_mutex_new(&x->m, NULL) == KL_OK, "mutex");
 	st_assert(kl_mutex_try_enter(x->m, &x->held) == KL_OK, "hold");
@@ -426,7 +366,7 @@ setup_waiters(struct ctx *x)
 }
 
 static int
-run_evict_and_wait(struct ctx *x)
+run_evict_and_wait(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
 	kl_token t;
@@ -448,7 +388,7 @@ run_evict_and_wait(struct ctx *x)
 }
 
 static void
-teardown_waiters(struct ctx *x)
+teardown_waiters(struct oom_ctx *x)
 {
 	st_assert(kl_mutex_leave(x->m, x->held, false) == KL_OK, "leave");
 	tw_join_all(x->g);
@@ -464,7 +404,7 @@ teardown_waiters(struct ctx *x)
 
 START_TEST(test_oom_evict)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_mutex_set_opts evicting, timed and cancelled waits",
 		.setup = setup_waiters,
 		.run = run_evict_and_wait,
@@ -478,7 +418,7 @@ START_TEST(test_oom_evict)
 END_TEST
 
 static void
-setup_event_waiters(struct ctx *x)
+setup_event_waiters(struct oom_ctx *x)
 {
 	kl_reset_opts o = KL_RESET_OPTS_INIT;
 
@@ -489,7 +429,7 @@ setup_event_waiters(struct ctx *x)
 }
 
 static int
-run_event_ops(struct ctx *x)
+run_event_ops(struct oom_ctx *x)
 {
 	kl_reset_event_set(x->e); /* releases 2 */
 	st_assert(kl_reset_event_queue_size(x->e) == 1, "queue after set");
@@ -505,7 +445,7 @@ run_event_ops(struct ctx *x)
 }
 
 static void
-teardown_event_waiters(struct ctx *x)
+teardown_event_waiters(struct oom_ctx *x)
 {
 	tw_join_all(x->g);
 	for (int i = 0; i < 3; i++)
@@ -517,7 +457,7 @@ teardown_event_waiters(struct ctx *x)
 
 START_TEST(test_oom_reset_event)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "reset event set, reset and waits with waiters",
 		.setup = setup_event_waiters,
 		.run = run_event_ops,
@@ -536,7 +476,7 @@ END_TEST
 static int
 block_fn(void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	sem_post(&x->hold_in);
 	while (sem_wait(&x->hold_go) != 0)
@@ -547,14 +487,14 @@ block_fn(void *arg)
 static void *
 holder_main(void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	kl_named_run(x->r, "named", KL_FOREVER, block_fn, x, NULL);
 	return NULL;
 }
 
 struct runner {
-	struct ctx *x;
+	struct oom_ctx *x;
 	int i;
 };
 
@@ -571,7 +511,7 @@ runner_main(void *arg)
 }
 
 static void
-setup_named_waiters(struct ctx *x)
+setup_named_waiters(struct oom_ctx *x)
 {
 	int64_t limit = now_ms() + 10000;
 
@@ -594,7 +534,7 @@ setup_named_waiters(struct ctx *x)
 }
 
 static int
-run_named_evict(struct ctx *x)
+run_named_evict(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
 	int rc;
@@ -609,7 +549,7 @@ run_named_evict(struct ctx *x)
 }
 
 static void
-teardown_named_waiters(struct ctx *x)
+teardown_named_waiters(struct oom_ctx *x)
 {
 	sem_post(&x->hold_go);
 	st_thread_join(x->holder);
@@ -626,7 +566,7 @@ teardown_named_waiters(struct ctx *x)
 
 START_TEST(test_oom_named_evict)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_named_set_opts evicting waiters of a name",
 		.setup = setup_named_waiters,
 		.run = run_named_evict,
@@ -640,7 +580,7 @@ START_TEST(test_oom_named_evict)
 END_TEST
 
 static void
-setup_sixteen_names(struct ctx *x)
+setup_sixteen_names(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
 
@@ -655,7 +595,7 @@ setup_sixteen_names(struct ctx *x)
 }
 
 static int
-run_seventeenth_name(struct ctx *x)
+run_seventeenth_name(struct oom_ctx *x)
 {
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT, got;
 	int rc;
@@ -671,7 +611,7 @@ run_seventeenth_name(struct ctx *x)
 }
 
 static void
-check_names_intact(struct ctx *x)
+check_names_intact(struct oom_ctx *x)
 {
 	st_assert(!kl_named_exists(x->r, "name-16"), "half-made name");
 	for (int i = 0; i < NAMES; i++) {
@@ -686,14 +626,14 @@ check_names_intact(struct ctx *x)
 }
 
 static void
-teardown_registry(struct ctx *x)
+teardown_registry(struct oom_ctx *x)
 {
 	kl_registry_free(x->r);
 }
 
 START_TEST(test_oom_named_growth)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_named_set_opts creating the 17th name",
 		.setup = setup_sixteen_names,
 		.run = run_seventeenth_name,
@@ -711,15 +651,6 @@ END_TEST
 
 static char local_dir[64], local_rel[64];
 
-static int
-rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *f)
-{
-	(void)sb;
-	(void)flag;
-	(void)f;
-	return remove(path);
-}
-
 static void
 make_local_dirs(void)
 {
@@ -732,18 +663,18 @@ make_local_dirs(void)
 static void
 remove_local_dirs(void)
 {
-	nftw(local_dir, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
-	nftw(local_rel, rm_entry, 8, FTW_DEPTH | FTW_PHYS);
+	test_remove_tree(local_dir);
+	test_remove_tree(local_rel);
 }
 
 static void
-setup_fds(struct ctx *x)
+setup_fds(struct oom_ctx *x)
 {
 	x->fds = count_fds();
 }
 
 static int
-run_open_memory(struct ctx *x)
+run_open_memory(struct oom_ctx *x)
 {
 	kl_error err;
 	int rc = kl_provider_open(&x->p, "memory:", &err);
@@ -753,7 +684,7 @@ run_open_memory(struct ctx *x)
 }
 
 static void
-teardown_open(struct ctx *x)
+teardown_open(struct oom_ctx *x)
 {
 	kl_provider_free(x->p);
 	st_assert(x->fds < 0 || count_fds() == x->fds,
@@ -762,7 +693,7 @@ teardown_open(struct ctx *x)
 
 START_TEST(test_oom_open_memory)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_provider_open(\"memory:\")",
 		.setup = setup_fds,
 		.run = run_open_memory,
@@ -776,7 +707,7 @@ START_TEST(test_oom_open_memory)
 END_TEST
 
 static int
-open_local(struct ctx *x, const char *dir)
+open_local(struct oom_ctx *x, const char *dir)
 {
 	char uri[128];
 	kl_error err;
@@ -794,19 +725,19 @@ open_local(struct ctx *x, const char *dir)
 }
 
 static int
-run_open_local(struct ctx *x)
+run_open_local(struct oom_ctx *x)
 {
 	return open_local(x, local_dir);
 }
 
 static int
-run_open_local_relative(struct ctx *x)
+run_open_local_relative(struct oom_ctx *x)
 {
 	return open_local(x, local_rel);
 }
 
 static void
-check_no_fd(struct ctx *x)
+check_no_fd(struct oom_ctx *x)
 {
 	st_assert(x->fds < 0 || count_fds() == x->fds,
 		  "a descriptor leaked: %d before, %d after", x->fds,
@@ -815,14 +746,14 @@ check_no_fd(struct ctx *x)
 
 START_TEST(test_oom_open_local)
 {
-	static const struct scenario abs = {
+	static const struct oom_scenario abs = {
 		.name = "kl_provider_open(\"local:/abs/dir\")",
 		.setup = setup_fds,
 		.run = run_open_local,
 		.check_failed = check_no_fd,
 		.teardown = teardown_open,
 	};
-	static const struct scenario rel = {
+	static const struct oom_scenario rel = {
 		.name = "kl_provider_open(\"local:relative/dir\")",
 		.setup = setup_fds,
 		.run = run_open_local_relative,
@@ -839,7 +770,7 @@ START_TEST(test_oom_open_local)
 END_TEST
 
 static void
-setup_local_lock(struct ctx *x)
+setup_local_lock(struct oom_ctx *x)
 {
 	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
 	char uri[128];
@@ -853,7 +784,7 @@ setup_local_lock(struct ctx *x)
 }
 
 static int
-run_local_acquire(struct ctx *x)
+run_local_acquire(struct oom_ctx *x)
 {
 	kl_call call = { .key = "local key", .cancel = NULL };
 	size_t holders = 9, waiters = 9;
@@ -871,7 +802,7 @@ run_local_acquire(struct ctx *x)
 }
 
 static void
-check_local_free(struct ctx *x)
+check_local_free(struct oom_ctx *x)
 {
 	size_t holders = 9, waiters = 9;
 
@@ -882,7 +813,7 @@ check_local_free(struct ctx *x)
 }
 
 static void
-teardown_local_lock(struct ctx *x)
+teardown_local_lock(struct oom_ctx *x)
 {
 	kl_lock_free(x->l);
 	kl_provider_free(x->p);
@@ -892,7 +823,7 @@ teardown_local_lock(struct ctx *x)
 
 START_TEST(test_oom_local_acquire)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_acquire and release on local:",
 		.setup = setup_local_lock,
 		.run = run_local_acquire,

@@ -85,11 +85,6 @@ struct s_key {
 	long entries;
 };
 
-struct s_slot {
-	pthread_mutex_t mu;
-	kl_cancel *c;
-};
-
 struct soak;
 
 struct s_worker {
@@ -97,7 +92,7 @@ struct s_worker {
 	int idx;
 	pthread_t th;
 	struct st_rng r;
-	struct s_slot slot;
+	struct st_slot slot;
 	atomic_int op, op_key;
 	atomic_llong op_start;
 	long ops[OP_COUNT];
@@ -214,61 +209,19 @@ op_end(struct s_worker *w)
 static void
 outcome(struct s_worker *w, int rc)
 {
-	switch (rc) {
-	case KL_OK:
-		w->outcomes[0]++;
-		break;
-	case KL_ETIMEDOUT:
-		w->outcomes[1]++;
-		break;
-	case KL_ECANCELED:
-		w->outcomes[2]++;
-		break;
-	case KL_EOVERFLOW:
-		w->outcomes[3]++;
-		break;
-	default:
+	int i = st_outcome(rc);
+
+	if (i >= 0)
+		w->outcomes[i]++;
+	else
 		atomic_fetch_add(&w->s->bad, 1);
-		break;
-	}
 }
 
-/* This thread's token for the next wait, renewed once fired; NULL half of
- * the time. */
-static kl_cancel *
-my_token(struct s_worker *w)
-{
-	kl_cancel *c;
-
-	if (st_below(&w->r, 2) == 0)
-		return NULL;
-	pthread_mutex_lock(&w->slot.mu);
-	if (w->slot.c == NULL || kl_cancel_fired(w->slot.c)) {
-		kl_cancel_free(w->slot.c);
-		w->slot.c = NULL;
-		if (st_below(&w->r, 4) == 0) {
-			if (kl_cancel_new_timeout(
-				    &w->slot.c,
-				    1 + (int64_t)st_below(&w->r, 20)) != KL_OK)
-				w->slot.c = NULL;
-		} else if (kl_cancel_new(&w->slot.c) != KL_OK) {
-			w->slot.c = NULL;
-		}
-	}
-	c = w->slot.c;
-	pthread_mutex_unlock(&w->slot.mu);
-	return c;
-}
-
+/* Fires the token of a worker picked at random. */
 static void
 fire_someone(struct s_worker *w)
 {
-	struct s_worker *v = &w->s->w[st_below(&w->r, S_THREADS)];
-
-	pthread_mutex_lock(&v->slot.mu);
-	if (v->slot.c != NULL)
-		kl_cancel_fire(v->slot.c);
-	pthread_mutex_unlock(&v->slot.mu);
+	st_slot_fire(&w->s->w[st_below(&w->r, S_THREADS)].slot);
 }
 
 static void
@@ -298,7 +251,8 @@ do_mutex(struct s_worker *w)
 
 		op_begin(w, OP_MUTEX_RUN, k);
 		rc = kl_mutex_run(m, s_timeouts[st_below(&w->r, S_NTIMEOUTS)],
-				  my_token(w), cs_fn, &cs, &res);
+				  st_slot_token(&w->slot, &w->r), cs_fn, &cs,
+				  &res);
 		outcome(w, rc);
 		if (rc == KL_OK && res != 7)
 			atomic_fetch_add(&s->bad, 1);
@@ -320,7 +274,7 @@ do_mutex(struct s_worker *w)
 	} else {
 		op_begin(w, OP_ENTER, k);
 		rc = kl_mutex_enter(m, s_timeouts[st_below(&w->r, S_NTIMEOUTS)],
-				    my_token(w), &t);
+				    st_slot_token(&w->slot, &w->r), &t);
 		outcome(w, rc);
 		if (rc == KL_OK) {
 			inside(s, k);
@@ -364,7 +318,8 @@ do_lock(struct s_worker *w)
 {
 	struct soak *s = w->s;
 	int k = (int)st_below(&w->r, S_GROUP);
-	kl_call call = { s->keys[S_GROUP + k].name, my_token(w) };
+	kl_call call = { s->keys[S_GROUP + k].name,
+			 st_slot_token(&w->slot, &w->r) };
 	kl_lock *l = s->locks[st_below(&w->r, S_NLOCKS)];
 	kl_error err;
 	int rc;
@@ -434,7 +389,7 @@ do_named(struct s_worker *w)
 	else
 		rc = kl_named_run_cancel(
 			s->reg, name, s_timeouts[st_below(&w->r, S_NTIMEOUTS)],
-			my_token(w), cs_fn, &cs, &res);
+			st_slot_token(&w->slot, &w->r), cs_fn, &cs, &res);
 	outcome(w, rc);
 	if (rc == KL_OK && res != 7)
 		atomic_fetch_add(&s->bad, 1);
@@ -455,7 +410,7 @@ do_event(struct s_worker *w)
 		op_begin(w, OP_EVENT_LOCK, 3 * S_GROUP + k);
 		rc = kl_reset_event_wait(
 			s->sem[k], s_timeouts[st_below(&w->r, S_NTIMEOUTS)],
-			my_token(w));
+			st_slot_token(&w->slot, &w->r));
 		outcome(w, rc);
 		if (rc == KL_OK) {
 			inside(s, 3 * S_GROUP + k);
@@ -475,7 +430,7 @@ do_event(struct s_worker *w)
 		/* At most 100 ms: the main thread sets them only now and
 		 * then. */
 		rc = kl_reset_event_wait(e, s_timeouts[st_below(&w->r, 4)],
-					 my_token(w));
+					 st_slot_token(&w->slot, &w->r));
 		outcome(w, rc);
 		if (rc == KL_EOVERFLOW)
 			atomic_fetch_add(&s->bad, 1);
@@ -702,7 +657,7 @@ START_TEST(test_t27_soak)
 		w->s = &s;
 		w->idx = i;
 		st_rng_init(&w->r, 0x2710 + (uint64_t)i);
-		pthread_mutex_init(&w->slot.mu, NULL);
+		st_slot_init(&w->slot);
 	}
 	s.t0 = now_ns();
 	s.nominal_ns = nominal_ns;
@@ -819,8 +774,7 @@ START_TEST(test_t27_soak)
 	kl_provider_free(s.p);
 	kl_registry_free(s.reg);
 	for (int i = 0; i < S_THREADS; i++) {
-		kl_cancel_free(s.w[i].slot.c);
-		pthread_mutex_destroy(&s.w[i].slot.mu);
+		st_slot_fini(&s.w[i].slot);
 	}
 	fds1 = count_fds();
 	st_note("descriptors: %d at the start, %d at the end", fds0, fds1);
