@@ -319,8 +319,9 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 		w->chook.arg = w;
 		if (!kl__cancel_register(c, &w->chook))
 			return KL_ECANCELED;
-		/* Before the waiter queues, under the queue lock: a granter
-		 * that reads it (expiry_status) holds that lock. */
+		/* Set before the waiter queues: a granter reads it
+		 * (expiry_status) under the queue lock, which the waiter
+		 * takes to queue. */
 		w->cancel = c;
 	}
 	return KL_OK;
