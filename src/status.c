@@ -73,7 +73,7 @@ kl__key_printable(char *buf, size_t size, const char *key, size_t len)
 	for (i = 0; i < len && n < room; i++) {
 		unsigned char ch = (unsigned char)key[i];
 
-		buf[n++] = ch >= 0x20 && ch < 0x7f ? (char)ch : '?';
+		buf[n++] = (char)(ch >= 0x20 && ch < 0x7f ? ch : '?');
 	}
 	if (i < len) {
 		memcpy(buf + n, "...", 3);
