@@ -106,7 +106,9 @@ typedef enum {
 	KL_OVERFLOW_LAST = 2   /* evict the newest waiter */
 } kl_overflow;
 
-#define KL_ERRORCHECK 0x1u /* the holding thread entering again: KL_EDEADLK */
+/* flags: the holding thread entering again gets KL_EDEADLK.  Fixed at
+ * creation for a kl_mutex (kl_mutex_set_opts). */
+#define KL_ERRORCHECK 0x1u
 /* flags: eventual fairness instead of strict FIFO (kl_mutex only).  A leave
  * wakes the head waiter to compete instead of handing over, so a running
  * thread may take the mutex first; a head waiter that has waited 1 ms gets
@@ -182,8 +184,9 @@ KL_API bool kl_mutex_is_locked(kl_mutex *m);
 KL_API size_t kl_mutex_queue_size(kl_mutex *m);
 /* Replaces the options; lowering max_queue evicts at once (FIRST evicts the
  * oldest, THIS and LAST the newest) with KL_EOVERFLOW.  KL_EINVAL for NULL
- * arguments, a bad strategy, unknown flags or a change of KL_EVENTUAL.
- * Since 0.1. */
+ * arguments, a bad strategy, unknown flags or a change of KL_EVENTUAL or
+ * KL_ERRORCHECK (both fixed at creation); nothing changes then.  Since
+ * 0.1. */
 KL_API int kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts);
 /* Copies the options into *out.  KL_EINVAL for NULL arguments.  Since
  * 0.1. */
@@ -259,7 +262,8 @@ KL_API int kl_named_get_opts(kl_registry *r, const char *name,
 /* Sets the options of name, creating it if missing (with in, or with the
  * defaults when in is NULL; NULL leaves an existing name unchanged).
  * Lowering max_queue evicts at once.  KL_EINVAL for a NULL name or bad
- * options, KL_ENOMEM.  Since 0.1. */
+ * options, or for an existing name a change of KL_EVENTUAL or
+ * KL_ERRORCHECK (as kl_mutex_set_opts), KL_ENOMEM.  Since 0.1. */
 KL_API int kl_named_set_opts(kl_registry *r, const char *name,
 			     const kl_queue_opts *in);
 /* KL_ENOTFOUND when missing, KL_EINVAL while held or waited on. */

@@ -1,12 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Cancellation tokens.  A token keeps the list of waiters registered on it.
+ * Cancellation tokens.  A token keeps the list of hooks registered on it
+ * (struct kl__cancel_hook, in internal.h): each is a function and its
+ * argument, in the registrant's memory.  The token calls them and knows
+ * nothing else of what waits on it (waitq.c registers one per waiter).
  *
- * Lock order: a token's lock, then a queue's lock.  kl_cancel_fire holds the
- * token lock while it settles each registered waiter under that waiter's
- * queue lock; a waiter registers and unregisters only while holding no queue
- * lock.  Because unregistering needs the token lock, a waiter's node (on its
- * stack) and its queue stay alive for as long as fire may look at them.
+ * Lock order: a token's lock, then whatever lock a hook takes (a queue's).
+ * kl_cancel_fire holds the token lock while it calls each hook; a hook is
+ * registered and unregistered only without such a lock held.  Because
+ * unregistering needs the token lock, a hook (and what it points to) stays
+ * alive for as long as fire may call it.
  *
  * A token made with kl_cancel_new_timeout fires by itself without a thread:
  * its deadline bounds every wait that uses it (the waiter wakes then and
@@ -23,7 +26,7 @@ struct kl_cancel {
 	pthread_mutex_t lock;
 	atomic_bool fired;
 	int64_t deadline_ns; /* fires by itself then; KL_NO_DEADLINE: never */
-	struct kl__waiter *waiters;
+	struct kl__cancel_hook *hooks;
 };
 
 static int
@@ -76,16 +79,6 @@ kl_cancel_fired(const kl_cancel *c)
 	       kl__now_ns() >= c->deadline_ns;
 }
 
-/* Settles a registered waiter as canceled unless it already has an outcome.
- * Called with the token lock held. */
-static void
-settle(struct kl__waiter *w)
-{
-	pthread_mutex_lock(w->lock);
-	kl__waiter_fail(w, KL_ECANCELED);
-	pthread_mutex_unlock(w->lock);
-}
-
 void
 kl_cancel_fire(kl_cancel *c)
 {
@@ -95,8 +88,11 @@ kl_cancel_fire(kl_cancel *c)
 	pthread_mutex_lock(&c->lock);
 	if (!atomic_load_explicit(&c->fired, memory_order_relaxed)) {
 		atomic_store_explicit(&c->fired, true, memory_order_release);
-		for (struct kl__waiter *w = c->waiters; w != NULL; w = w->cnext)
-			settle(w);
+		/* A hook never unregisters itself (that needs this lock), so
+		 * the list stays as it is while it runs. */
+		for (struct kl__cancel_hook *h = c->hooks; h != NULL;
+		     h = h->next)
+			h->fire(h->arg);
 	}
 	pthread_mutex_unlock(&c->lock);
 }
@@ -107,7 +103,7 @@ kl_cancel_free(kl_cancel *c)
 	if (c == NULL)
 		return;
 #ifdef KL_DEBUG
-	if (c->waiters != NULL)
+	if (c->hooks != NULL)
 		fprintf(stderr, "keylock: kl_cancel_free: token still in use\n");
 #endif
 	pthread_mutex_destroy(&c->lock);
@@ -121,34 +117,32 @@ kl__cancel_deadline(const kl_cancel *c)
 }
 
 bool
-kl__cancel_register(kl_cancel *c, struct kl__waiter *w)
+kl__cancel_register(kl_cancel *c, struct kl__cancel_hook *h)
 {
 	bool ok;
 
 	pthread_mutex_lock(&c->lock);
 	ok = !kl_cancel_fired(c);
 	if (ok) {
-		w->cancel = c;
-		w->cprev = NULL;
-		w->cnext = c->waiters;
-		if (c->waiters != NULL)
-			c->waiters->cprev = w;
-		c->waiters = w;
+		h->prev = NULL;
+		h->next = c->hooks;
+		if (c->hooks != NULL)
+			c->hooks->prev = h;
+		c->hooks = h;
 	}
 	pthread_mutex_unlock(&c->lock);
 	return ok;
 }
 
 void
-kl__cancel_unregister(kl_cancel *c, struct kl__waiter *w)
+kl__cancel_unregister(kl_cancel *c, struct kl__cancel_hook *h)
 {
 	pthread_mutex_lock(&c->lock);
-	if (w->cprev != NULL)
-		w->cprev->cnext = w->cnext;
+	if (h->prev != NULL)
+		h->prev->next = h->next;
 	else
-		c->waiters = w->cnext;
-	if (w->cnext != NULL)
-		w->cnext->cprev = w->cprev;
+		c->hooks = h->next;
+	if (h->next != NULL)
+		h->next->prev = h->prev;
 	pthread_mutex_unlock(&c->lock);
-	w->cancel = NULL;
 }

@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Private declarations shared by the modules of libkeylock.  Nothing here is
- * installed.  Layers, lowest first: clock, cancel, waitq, mutex/reset_event,
- * table, registry, provider_memory, lock.  A lower layer never calls a higher.
+ * installed.  Layers, lowest first (src/README): alloc/status/clock, cancel,
+ * waitq, mutex/reset_event, hash/table, registry, provider, the providers,
+ * lock.  A lower layer never calls a higher (test/pkg/layers.sh checks).
  */
 #ifndef KL_INTERNAL_H
 #define KL_INTERNAL_H
@@ -34,6 +35,16 @@ KL_HIDDEN void *kl__calloc(size_t n, size_t size);
 KL_HIDDEN void *kl__aligned_alloc(size_t align, size_t n);
 KL_HIDDEN void kl__free(void *p);
 KL_HIDDEN char *kl__strndup(const char *s, size_t n);
+
+/* ------------------------------------------------------------------ */
+/* status.c: messages, for any layer. */
+
+/* Fills err (may be NULL) with status and a printf-style message. */
+KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)
+	__attribute__((format(printf, 3, 4)));
+/* Writes a printable, shortened form of key into buf (size > 8). */
+KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
+				 size_t len);
 
 /* ------------------------------------------------------------------ */
 /* clock.c: CLOCK_MONOTONIC nanoseconds; INT64_MAX means "no deadline". */
@@ -93,6 +104,33 @@ kl__thread_id(void)
 KL_HIDDEN int64_t kl__coarse_now_ns(void);
 
 /* ------------------------------------------------------------------ */
+/* cancel.c: cancellation tokens.  What waits on a token registers a hook
+ * on it, which kl_cancel_fire calls once, with the token's lock held: the
+ * hook may take a lock of its own (a queue's) but never the token's, so a
+ * token's lock comes before every lock a hook takes.  A hook is never
+ * called after kl__cancel_unregister has returned.  It lives in the
+ * registrant's memory (a waiter's stack): registering allocates nothing,
+ * and the token knows nothing of what waits (waitq.c is above it). */
+
+struct kl__cancel_hook {
+	struct kl__cancel_hook *next, *prev; /* the token's list, its lock */
+	void (*fire)(void *arg);
+	void *arg;
+};
+
+/* The time at which c fires by itself, KL_NO_DEADLINE if never; NULL c gives
+ * KL_NO_DEADLINE. */
+KL_HIDDEN int64_t kl__cancel_deadline(const struct kl_cancel *c);
+/* Registers h (fire and arg set) on c, or returns false when c has fired
+ * (h is not registered then).  Call without any lock a hook takes. */
+KL_HIDDEN bool kl__cancel_register(struct kl_cancel *c,
+				   struct kl__cancel_hook *h);
+/* Unregisters h; once it returns, h is never called.  Call without any
+ * lock a hook takes. */
+KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
+				     struct kl__cancel_hook *h);
+
+/* ------------------------------------------------------------------ */
 /* waitq.c: the FIFO queue of parked threads.
  *
  * A waitq does not own a lock: every call below is made with the caller's
@@ -117,7 +155,6 @@ enum kl__wstate {
 };
 
 struct kl__waitq;
-struct kl_cancel;
 
 struct kl__waiter {
 	struct kl__waiter *next, *prev; /* queue links */
@@ -130,9 +167,10 @@ struct kl__waiter {
 	bool front;        /* queue at the head (a woken waiter going back) */
 	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
-	/* Registration on a cancel token (see cancel.c). */
+	/* Registration on a cancel token: the token (NULL: none) and the
+	 * hook by which its firing fails this waiter. */
 	struct kl_cancel *cancel;
-	struct kl__waiter *cnext, *cprev;
+	struct kl__cancel_hook chook;
 	uint64_t tid;  /* kl__thread_id() of the waiting thread */
 	uint64_t data; /* for the queue's user: token id, fence */
 };
@@ -207,21 +245,9 @@ KL_HIDDEN void kl__waitq_reduce(struct kl__waitq *q, size_t max_queue,
 KL_HIDDEN bool kl__overflow_valid(kl_overflow o);
 
 /* ------------------------------------------------------------------ */
-/* cancel.c */
+/* Little-endian loads of 8 and 4 bytes at any alignment, for the hashes
+ * (siphash.c, below every layer, and hash.c). */
 
-/* The time at which c fires by itself, KL_NO_DEADLINE if never; NULL c gives
- * KL_NO_DEADLINE. */
-KL_HIDDEN int64_t kl__cancel_deadline(const struct kl_cancel *c);
-/* Registers and unregisters w; see waitq.c.  register returns false when c
- * has fired. */
-KL_HIDDEN bool kl__cancel_register(struct kl_cancel *c, struct kl__waiter *w);
-KL_HIDDEN void kl__cancel_unregister(struct kl_cancel *c,
-				     struct kl__waiter *w);
-
-/* ------------------------------------------------------------------ */
-/* hash.c: SipHash-1-3 keyed with a per-process random seed. */
-
-/* Little-endian loads of 8 and 4 bytes at any alignment, for the hashes. */
 static inline uint64_t
 kl__load_le64(const void *p)
 {
@@ -246,6 +272,9 @@ kl__load_le32(const void *p)
 	return v;
 }
 
+/* ------------------------------------------------------------------ */
+/* hash.c: SipHash-1-3 keyed with a per-process random seed. */
+
 KL_HIDDEN uint64_t kl__hash(const void *data, size_t len);
 /* The seed of kl__hash, for a table that keeps a copy: kl__siphash with it
  * is kl__hash without the once-check on every call. */
@@ -262,7 +291,9 @@ struct kl_provider {
 	struct kl__table *table; /* set for memory providers */
 };
 
-/* local/provider_local.c: opens the local provider on dir ("" = the default). */
+/* ------------------------------------------------------------------ */
+/* local/provider_local.c: opens the local provider on dir ("" = the
+ * default); provider_open.c's scheme table calls it. */
 KL_HIDDEN int kl__local_provider_open(kl_provider **out, const char *dir,
 				      kl_error *err);
 /* local/local_path.c: opens the state directory path (made, 0700, when only its
@@ -282,13 +313,6 @@ KL_HIDDEN int kl__local_default_dir(char **out, kl_error *err);
 #define KL_LOCAL_SECRET_LEN 16
 KL_HIDDEN int kl__local_secret(int dirfd, const char *path, uint64_t *k0,
 			       uint64_t *k1, int *fd, kl_error *err);
-
-/* Fills err (may be NULL) with status and a printf-style message. */
-KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
-/* Writes a printable, shortened form of key into buf (size > 8). */
-KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
-				 size_t len);
 
 /* ------------------------------------------------------------------ */
 /* Test hooks: only in test/libkeylock-test.la, built with -DKL_TEST_HOOKS. */

@@ -24,7 +24,7 @@
  * bounds every wait.
  * A woken waiter that loses goes back to the head of the queue.  In this
  * mode "free" is any state whose owner bits are 0.  The flag is fixed at
- * creation.
+ * creation, as KL_ERRORCHECK is (kl_mutex_set_opts).
  *
  * m->lock guards the queue and the options.
  */
@@ -81,6 +81,8 @@ defaults_init(void)
 }
 
 #define KNOWN_FLAGS (KL_ERRORCHECK | KL_EVENTUAL)
+/* The flags kl_mutex_set_opts may not change (see there). */
+#define FIXED_FLAGS (KL_ERRORCHECK | KL_EVENTUAL)
 
 static bool
 opts_valid(const kl_queue_opts *o)
@@ -151,11 +153,11 @@ kl_mutex_free(kl_mutex *m)
 	kl__free(m);
 }
 
-/* The error-check flag is read without the lock: it only changes through
- * kl_mutex_set_opts, and a caller racing that with its own enter cannot
- * expect either answer.  Relaxed atomics keep the read defined.  An
- * error-check mutex always takes the lock, so that the holding thread is
- * recorded together with the owner. */
+/* An error-check mutex always takes the lock, so that the holding thread
+ * is recorded together with the owner; without the flag the fast paths
+ * record nothing, which is why the flag is fixed at creation.  Read
+ * without the lock, with relaxed atomics only because set_opts stores the
+ * whole flags word. */
 static bool
 errorcheck(kl_mutex *m)
 {
@@ -446,7 +448,11 @@ kl_mutex_set_opts(kl_mutex *m, const kl_queue_opts *opts)
 	if (m == NULL || opts == NULL || !opts_valid(opts))
 		return KL_EINVAL;
 	pthread_mutex_lock(&m->lock);
-	if ((opts->flags & KL_EVENTUAL) != (m->opts.flags & KL_EVENTUAL)) {
+	/* Both flags are fixed at creation.  KL_ERRORCHECK too: without it
+	 * the fast paths record no holding thread, so a mutex that turned
+	 * it on would judge by a stale record (a thread that holds nothing
+	 * would get KL_EDEADLK). */
+	if (((opts->flags ^ m->opts.flags) & FIXED_FLAGS) != 0) {
 		pthread_mutex_unlock(&m->lock);
 		return KL_EINVAL;
 	}

@@ -1,11 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Status names, the version, and the duration parser.  The parser works on
- * integers only (no strtod) so that "1.5m" is exact and no input can produce
- * a value past INT64_MAX or a floating-point surprise.
+ * Status names, the version, the duration parser, and the messages of
+ * kl_error (kl__error_set), which every layer that fills one uses.  The
+ * parser works on integers only (no strtod) so that "1.5m" is exact and no
+ * input can produce a value past INT64_MAX or a floating-point surprise.
  */
 #include "config.h"
 
+#include <stdarg.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "internal.h"
@@ -43,6 +46,40 @@ kl_strerror(int status)
 	default:
 		return "unknown keylock status";
 	}
+}
+
+void
+kl__error_set(kl_error *err, int status, const char *fmt, ...)
+{
+	va_list ap;
+
+	if (err == NULL)
+		return;
+	err->status = status;
+	va_start(ap, fmt);
+	vsnprintf(err->message, sizeof err->message, fmt, ap);
+	va_end(ap);
+}
+
+void
+kl__key_printable(char *buf, size_t size, const char *key, size_t len)
+{
+	size_t i, n = 0, room = size - 4; /* room for "..." and NUL */
+
+	if (key == NULL) {
+		snprintf(buf, size, "(none)");
+		return;
+	}
+	for (i = 0; i < len && n < room; i++) {
+		unsigned char ch = (unsigned char)key[i];
+
+		buf[n++] = (char)(ch >= 0x20 && ch < 0x7f ? ch : '?');
+	}
+	if (i < len) {
+		memcpy(buf + n, "...", 3);
+		n += 3;
+	}
+	buf[n] = '\0';
 }
 
 /* Milliseconds per unit, longest suffix first so "ms" is not read as "m". */

@@ -284,6 +284,18 @@ kl__waiter_fail(struct kl__waiter *w, int status)
 		kl__unpark(kl__waiter_settle(w));
 }
 
+/* The hook by which a firing cancel token fails w: called by kl_cancel_fire
+ * with the token's lock held, which comes before the queue's. */
+static void
+cancel_fired(void *arg)
+{
+	struct kl__waiter *w = arg;
+
+	pthread_mutex_lock(w->lock);
+	kl__waiter_fail(w, KL_ECANCELED);
+	pthread_mutex_unlock(w->lock);
+}
+
 int
 kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 		   struct kl_cancel *c)
@@ -299,20 +311,29 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->front = false;
 	w->since_ns = 0;
 	w->cancel = NULL;
-	w->cnext = w->cprev = NULL;
 	w->tid = kl__thread_id();
 	w->data = 0;
 	w->expire_ns = KL_NO_DEADLINE;
-	if (c != NULL && !kl__cancel_register(c, w))
-		return KL_ECANCELED;
+	if (c != NULL) {
+		w->chook.fire = cancel_fired;
+		w->chook.arg = w;
+		if (!kl__cancel_register(c, &w->chook))
+			return KL_ECANCELED;
+		/* Set before the waiter queues: a granter reads it
+		 * (expiry_status) under the queue lock, which the waiter
+		 * takes to queue. */
+		w->cancel = c;
+	}
 	return KL_OK;
 }
 
 void
 kl__waiter_finish(struct kl__waiter *w)
 {
-	if (w->cancel != NULL)
-		kl__cancel_unregister(w->cancel, w);
+	if (w->cancel != NULL) {
+		kl__cancel_unregister(w->cancel, &w->chook);
+		w->cancel = NULL;
+	}
 }
 
 static void

@@ -1020,6 +1020,107 @@ START_TEST(test_errorcheck_after_foreign_leave)
 }
 END_TEST
 
+/* KL_ERRORCHECK is fixed at creation, as KL_EVENTUAL is: a mutex without
+ * it records its holding thread only on its slow path, so turning it on
+ * later would judge by a stale record.  set_opts refuses a change either
+ * way with KL_EINVAL and changes nothing; other options still change. */
+START_TEST(test_errorcheck_fixed_at_creation)
+{
+	kl_mutex *m = new_mutex(5, KL_OVERFLOW_LAST, KL_ERRORCHECK);
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT, got;
+
+	o.max_queue = 7;
+	ck_assert_int_eq(kl_mutex_set_opts(m, &o), KL_EINVAL);
+	ck_assert_int_eq(kl_mutex_get_opts(m, &got), KL_OK);
+	ck_assert_uint_eq(got.max_queue, 5);
+	ck_assert_int_eq(got.overflow, KL_OVERFLOW_LAST);
+	ck_assert_uint_eq(got.flags, KL_ERRORCHECK);
+	o.flags = KL_ERRORCHECK;
+	ck_assert_int_eq(kl_mutex_set_opts(m, &o), KL_OK);
+	ck_assert_int_eq(kl_mutex_get_opts(m, &got), KL_OK);
+	ck_assert_uint_eq(got.max_queue, 7);
+	ck_assert_uint_eq(got.flags, KL_ERRORCHECK);
+	kl_mutex_free(m);
+
+	m = new_mutex(5, KL_OVERFLOW_LAST, 0);
+	ck_assert_int_eq(kl_mutex_set_opts(m, &o), KL_EINVAL);
+	ck_assert_int_eq(kl_mutex_get_opts(m, &got), KL_OK);
+	ck_assert_uint_eq(got.max_queue, 5);
+	ck_assert_uint_eq(got.flags, 0);
+	kl_mutex_free(m);
+}
+END_TEST
+
+struct holder {
+	kl_mutex *m;
+	kl_token t;
+	int rc;
+};
+
+static void *
+holder_enter(void *arg)
+{
+	struct holder *h = arg;
+
+	h->rc = kl_mutex_try_enter(h->m, &h->t);
+	return NULL;
+}
+
+/* Leaves h->t once a waiter is queued (or after a minute: the test thread
+ * then finds out why). */
+static void *
+holder_leave_when_queued(void *arg)
+{
+	struct holder *h = arg;
+	int64_t limit = now_ms() + 60000;
+	unsigned spins = 0;
+
+	while (kl_mutex_queue_size(h->m) != 1 && now_ms() < limit)
+		test_relax(&spins);
+	h->rc = kl_mutex_leave(h->m, h->t, false);
+	return NULL;
+}
+
+/* The false KL_EDEADLK of a live mutex whose KL_ERRORCHECK was turned on:
+ * this thread took the mutex by hand-off (its slow path records it as the
+ * holder), left on the fast path (which records nothing), and another
+ * thread holds it now.  Turning the flag on must not make this thread,
+ * which holds nothing, get KL_EDEADLK: the change is refused, and the
+ * try is an ordinary KL_ETIMEDOUT. */
+START_TEST(test_errorcheck_turned_on_no_false_deadlk)
+{
+	kl_mutex *m = new_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, 0);
+	kl_queue_opts o = KL_QUEUE_OPTS_INIT, got;
+	struct holder a = { .m = m }, b = { .m = m };
+	kl_token t;
+	pthread_t th;
+	int set_rc, try_rc;
+
+	test_thread_start(&th, holder_enter, &a);
+	test_thread_join(th);
+	ck_assert_int_eq(a.rc, KL_OK);
+	test_thread_start(&th, holder_leave_when_queued, &a);
+	ck_assert_int_eq(kl_mutex_enter(m, 60000, NULL, &t), KL_OK);
+	test_thread_join(th);
+	ck_assert_int_eq(a.rc, KL_OK);
+	ck_assert_int_eq(kl_mutex_leave(m, t, false), KL_OK);
+
+	test_thread_start(&th, holder_enter, &b);
+	test_thread_join(th);
+	ck_assert_int_eq(b.rc, KL_OK);
+	o.flags = KL_ERRORCHECK;
+	set_rc = kl_mutex_set_opts(m, &o);
+	try_rc = kl_mutex_try_enter(m, &t);
+	ck_assert_int_eq(try_rc, KL_ETIMEDOUT);
+	ck_assert_int_eq(set_rc, KL_EINVAL);
+	ck_assert_int_eq(kl_mutex_get_opts(m, &got), KL_OK);
+	ck_assert_uint_eq(got.flags, 0);
+	ck_assert_int_eq(kl_mutex_leave(m, b.t, false), KL_OK);
+	assert_free(m);
+	kl_mutex_free(m);
+}
+END_TEST
+
 START_TEST(test_reenter_without_errorcheck_times_out)
 {
 	kl_mutex *m = new_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, 0);
@@ -1805,6 +1906,8 @@ mutex_suite(void)
 	tcase_add_test(tc, test_errorcheck_deadlk);
 	tcase_add_test(tc, test_errorcheck_after_foreign_leave);
 	tcase_add_test(tc, test_reenter_without_errorcheck_times_out);
+	tcase_add_test(tc, test_errorcheck_fixed_at_creation);
+	tcase_add_test(tc, test_errorcheck_turned_on_no_false_deadlk);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("run");

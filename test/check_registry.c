@@ -451,10 +451,17 @@ START_TEST(test_set_opts_creates)
 	ck_assert_int_eq(kl_named_get_opts(r, "s", &o), KL_OK);
 	assert_opts_eq(&o, &in);
 
-	/* Changing an existing name. */
+	/* Changing an existing name; KL_ERRORCHECK is fixed at creation
+	 * (kl_mutex_set_opts): a change of it is refused, and changes
+	 * nothing. */
 	in.max_queue = 10;
 	in.overflow = KL_OVERFLOW_LAST;
 	in.flags = 0;
+	ck_assert_int_eq(kl_named_set_opts(r, "s", &in), KL_EINVAL);
+	ck_assert_int_eq(kl_named_get_opts(r, "s", &o), KL_OK);
+	ck_assert_uint_eq(o.max_queue, 3);
+	ck_assert_uint_eq(o.flags, KL_ERRORCHECK);
+	in.flags = KL_ERRORCHECK;
 	ck_assert_int_eq(kl_named_set_opts(r, "s", &in), KL_OK);
 	ck_assert_int_eq(kl_named_get_opts(r, "s", &o), KL_OK);
 	assert_opts_eq(&o, &in);
