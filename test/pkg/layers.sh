@@ -49,6 +49,7 @@ redis/*.c 7
 redis_internal.h 7
 pg/*.c 7
 pg_fence.h 7
+pg_internal.h 7
 provider_open.c 8
 lock.c 8
 '
