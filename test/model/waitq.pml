@@ -352,24 +352,27 @@ inline waitq_enqueue(me)
  * Only the head spins. */
 inline spin(me)
 {
-	if
-	:: word[me] == SETTLED -> skip
-	:: atomic { word[me] != SETTLED -> assert(qlen > 0 && q[0] == me) };
+	/* one step: what it saw (and that only the head spins) */
+	atomic {
+		assert(word[me] == SETTLED || qlen > 0 && q[0] == me);
+		spinme = false
+	}
 #ifdef MUTANT_SPIN_PARK
-		/* the bug: the early stop parks by a plain store, which may
-		 * hide a grant published since the check above */
-		word[me] = PARKED
-#else
-		skip
-#endif
+	/* the bug: the early stop parks by a plain store, which may hide
+	 * a grant published since the look above */
+	;
+	if
+	:: word[me] != SETTLED -> word[me] = PARKED
+	:: else -> skip
 	fi
+#endif
 }
 
 /* kl__waitq_wait, the parking loop: until the outcome is published. */
 inline waitq_park(me)
 {
 	if
-	:: spinme -> spin(me); spinme = false
+	:: spinme -> spin(me)
 	:: else -> skip
 	fi;
 	do
@@ -405,7 +408,7 @@ inline waitq_park(me)
 			fi
 		};
 		if
-		:: spinme -> spin(me); spinme = false
+		:: spinme -> spin(me)
 		:: else -> skip
 		fi;
 		/* Never early: a timeout only once the deadline has passed. */
