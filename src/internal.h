@@ -127,12 +127,6 @@ struct kl__waiter {
 	int state;         /* enum kl__wstate */
 	int status;        /* with KL_W_DONE */
 	bool spin;         /* may spin before parking */
-	/* The spin decision's hints (see waitq.c): the CPU this waiter last
-	 * ran on, written by itself, read by a granter under the lock; the
-	 * CPU of the lock's holder, written by granters under the lock, read
-	 * by this waiter while it spins.  -1: unknown. */
-	atomic_int cpu;
-	atomic_int holder_cpu;
 	bool front;        /* queue at the head (a woken waiter going back) */
 	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
@@ -149,13 +143,7 @@ struct kl__waiter {
 struct kl__waitq {
 	struct kl__waiter *head;
 	uint32_t len; /* waiting threads: far below 2^32 */
-	/* The CPU its last grant's waiter ran on (KL__NO_CPU: unknown) and
-	 * the low bits of that waiter's thread id, which tell a waiter that
-	 * the grant was its own, so the hint stale.  They fit in what was
-	 * padding: an entry stays as small. */
-	uint16_t owner_cpu, owner_tag;
 };
-#define KL__NO_CPU 0xffffu
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);

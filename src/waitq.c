@@ -31,19 +31,6 @@
  * kl__waitq_wait).  A waiter that becomes the head while parked is woken
  * at once by the grant that made it the head, so that it is already
  * running, and spinning, when its own grant comes.
- *
- * Spinning only pays while the holder runs on another CPU.  Unpinned, the
- * scheduler often puts a woken waiter beside its waker, and a head waiter
- * spinning on the CPU its holder needs only delays the release it waits
- * for; then it parks, and every grant costs a sleep and a wake-up.  So
- * each grant notes where the new holder last ran (q->owner_cpu, from the
- * granted waiter's w->cpu) and tells the new head (w->holder_cpu).  A
- * spinning head that finds itself on the holder's CPU yields it once, so
- * that the holder runs and releases, and stays runnable itself (no futex
- * wake needed, and the scheduler's balancing can move one of them away);
- * still there after the yield, it stops spinning and parks through the
- * usual compare-and-swap.  The hints are only hints: stale, they cost one
- * yield or a spin that would have happened anyway, never a grant.
  */
 #include "config.h"
 
@@ -234,18 +221,6 @@ kl__test_prods(void)
 #define TEST_COUNT(c, d) ((void)0)
 #endif
 
-/* The CPU the calling thread runs on, -1 when unknown (glibc reads it from
- * the rseq area: no system call). */
-static int
-this_cpu(void)
-{
-#ifdef HAVE_SCHED_GETCPU
-	return sched_getcpu();
-#else
-	return -1;
-#endif
-}
-
 /* ------------------------------------------------------------------ */
 /* The queue */
 
@@ -255,8 +230,6 @@ kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
 	q->head = NULL;
 	q->len = 0;
-	q->owner_cpu = KL__NO_CPU;
-	q->owner_tag = 0;
 }
 
 bool
@@ -324,10 +297,6 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->status = KL_OK;
 	w->spin = false;
 	w->front = false;
-	atomic_init(&w->cpu, -1);
-	atomic_init(&w->holder_cpu, -1);
-	KL_ANNOTATE_ATOMIC(&w->cpu);
-	KL_ANNOTATE_ATOMIC(&w->holder_cpu);
 	w->since_ns = 0;
 	w->cancel = NULL;
 	w->cnext = w->cprev = NULL;
@@ -424,27 +393,12 @@ crowded(uint64_t tid)
 	return __builtin_popcountll(now) > ncpu();
 }
 
-/* Spins as the head until w is settled or SPIN_NS have passed, yielding
- * once to a holder that last ran on this CPU and stopping early if it is
- * still there after that (see the top comment).  Parking is the caller's. */
 static void
 spin(struct kl__waiter *w)
 {
 	int64_t until = kl__now_ns() + SPIN_NS;
-	bool yielded = false;
 
 	for (;;) {
-		int cpu = this_cpu();
-
-		atomic_store_explicit(&w->cpu, cpu, memory_order_relaxed);
-		if (cpu >= 0 && cpu == atomic_load_explicit(&w->holder_cpu,
-							    memory_order_relaxed)) {
-			if (yielded)
-				return;
-			KL_YIELD("spin-yield");
-			sched_yield();
-			yielded = true;
-		}
 		for (int i = 0; i < 64; i++) {
 			if (settled(w))
 				return;
@@ -485,15 +439,6 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	if (w->since_ns == 0)
 		w->since_ns = kl__now_ns();
 	append(q, w);
-	/* A grant of its own means the holder took the lock since without a
-	 * grant (nobody waited): where it runs is unknown. */
-	atomic_store_explicit(&w->holder_cpu,
-			      q->owner_cpu == KL__NO_CPU ||
-					      q->owner_tag == (uint16_t)w->tid
-				      ? -1
-				      : (int)q->owner_cpu,
-			      memory_order_relaxed);
-	atomic_store_explicit(&w->cpu, this_cpu(), memory_order_relaxed);
 	KL_YIELD("enqueue");
 	/* Spin only as the head, and only while the holder and this waiter
 	 * can both run at once. */
@@ -522,9 +467,6 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			    &w->word, &awake, W_PARKED, memory_order_acquire,
 			    memory_order_acquire) ||
 		    awake == W_PARKED) {
-			/* Where it sleeps: the CPU a grant will note. */
-			atomic_store_explicit(&w->cpu, this_cpu(),
-					      memory_order_relaxed);
 			TEST_COUNT(test_parked, 1);
 			park(&w->word, w->expire_ns);
 			TEST_COUNT(test_parked, -1);
@@ -604,7 +546,6 @@ kl__waitq_grant_head(struct kl__waitq *q)
 {
 	struct kl__waiter *w;
 	int64_t now = 0;
-	int cpu;
 
 	while ((w = q->head) != NULL) {
 		/* A waiter whose deadline has passed but which has not yet
@@ -620,22 +561,8 @@ kl__waitq_grant_head(struct kl__waitq *q)
 		}
 		unlink_waiter(q, w);
 		w->state = KL_W_GRANTED;
-		/* The spin decision's hints: w holds it now.  The new head
-		 * is still queued, so alive, and ours to write under the
-		 * lock. */
-		cpu = atomic_load_explicit(&w->cpu, memory_order_relaxed);
-		q->owner_cpu = cpu >= 0 && cpu < (int)KL__NO_CPU ? (uint16_t)cpu
-							   : KL__NO_CPU;
-		q->owner_tag = (uint16_t)w->tid;
-		if (q->head != NULL)
-			atomic_store_explicit(&q->head->holder_cpu,
-					      q->owner_cpu == KL__NO_CPU
-						      ? -1
-						      : (int)q->owner_cpu,
-					      memory_order_relaxed);
 		return w;
 	}
-	q->owner_cpu = KL__NO_CPU;
 	return NULL;
 }
 
