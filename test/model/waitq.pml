@@ -20,9 +20,9 @@
  *   MUTANT_CANCEL_TAKE  enter/wait takes a free object without looking
  *                    whether its token fired since it registered (the code
  *                    before commit d91638b)
- *   MUTANT_SPIN_PARK a spinning head still on its holder's CPU after its
- *                    yield parks by storing PARKED instead of going
- *                    through the compare-and-swap from AWAKE
+ *   MUTANT_SPIN_PARK a spinning head that gives up parks by storing PARKED
+ *                    instead of going through the compare-and-swap from
+ *                    AWAKE
  *   LIVENESS         adds the claim "every call returns" (pan -a -f)
  *   SPURIOUS         futex waits may also end spuriously (off by default:
  *                    an ever-possible wake-up would hide a lost wake-up,
@@ -51,18 +51,13 @@
  * timeout 0 (try_enter), tokens made by kl_cancel_new_timeout, the key
  * table (which uses this queue under its shard locks), memory order (the
  * C11 orders are TSan's to judge), the spin of a reset event's waiter (it
- * only delays the CAS to PARKED; no grant there sets a holder hint).
+ * only delays the CAS to PARKED).
  * The prod is modelled: a leave that hands the mutex over marks a parked
  * new head PRODDED and wakes it after the unlock.
  * The mutex's spin is modelled by where it can end (waitq.c, spin): it
- * sees SETTLED, or it stops (SPIN_NS ran out, or it still ran on the CPU
- * its holder hint names after its one yield) and goes on to park; see
- * inline spin.  The hints themselves (the CPU a waiter last ran on,
- * q->owner_cpu and owner_tag, the new head's holder_cpu) are left out:
- * the scheduler may run a thread on any CPU at any moment, so any hint
- * allows each of those ends, and the hints steer nothing else.  What a grant writes into them goes to the granted waiter
- * and the new head only while both are still queued (before the settle),
- * under the lock, which grant_head asserts.
+ * sees SETTLED, or it gives up (SPIN_NS ran out) and goes on to park; see
+ * inline spin.  Any decision to stop spinning must end the same way,
+ * through the CAS from AWAKE (mutant-spin-park).
  *
  * Assertions:
  * - at most one owner, and a client's result agrees with ownership
@@ -298,11 +293,6 @@ inline grant_head(g)
 		fifo_check(g);
 		unlink(g);
 		wstate[g] = W_GRANTED;
-		/* the hints (left out, see the top): g's CPU is read, the
-		 * new head told; both must still be unsettled */
-		assert(word[g] != SETTLED);
-		assert(qlen == 0 || wstate[q[0]] == W_WAITING &&
-		       word[q[0]] != SETTLED);
 		break
 	od
 }
@@ -345,11 +335,10 @@ inline waitq_enqueue(me)
 	fi
 }
 
-/* waitq.c's spin.  Its steps only read the word (and the hints, left out)
- * or yield, which changes no state of the model, so a spin reduces to its
- * end: it sees SETTLED, or it stops (SPIN_NS ran out, or it was still on
- * its holder's CPU after its one yield) and goes on to the CAS to PARKED.
- * Only the head spins. */
+/* waitq.c's spin.  Its steps only read the word or yield, which changes
+ * no state of the model, so a spin reduces to its end: it sees SETTLED, or
+ * it gives up (SPIN_NS ran out) and goes on to the CAS to PARKED.  Only the
+ * head spins. */
 inline spin(me)
 {
 	/* one step: what it saw (and that only the head spins) */
@@ -358,7 +347,7 @@ inline spin(me)
 		spinme = false
 	}
 #ifdef MUTANT_SPIN_PARK
-	/* the bug: the early stop parks by a plain store, which may hide
+	/* the bug: giving up, it parks by a plain store, which may hide
 	 * a grant published since the look above */
 	;
 	if
