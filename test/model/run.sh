@@ -63,6 +63,9 @@ CHECKS=(
 	# returned, no later grant goes to a waiter using that token").
 	"mutant-cancel-take|fail|safety|waitq.pml|-DMUTEX -DMUTANT_CANCEL_TAKE -DMAXQ=255 -DADMIN=-1 -DDL=0 -DTOK=4"
 	"mutant-cancel-take-event|fail|safety|waitq.pml|-DEVENT -DMUTANT_CANCEL_TAKE -DDL=0 -DTOK=4"
+	# The head's spin: giving up, it parks by a plain store of PARKED,
+	# hiding a grant published meanwhile (a waiter asleep for ever).
+	"mutant-spin-park|fail|safety|waitq.pml|-DMUTEX -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
 )
 
 list=0

@@ -20,6 +20,9 @@
  *   MUTANT_CANCEL_TAKE  enter/wait takes a free object without looking
  *                    whether its token fired since it registered (the code
  *                    before commit d91638b)
+ *   MUTANT_SPIN_PARK a spinning head that gives up parks by storing PARKED
+ *                    instead of going through the compare-and-swap from
+ *                    AWAKE
  *   LIVENESS         adds the claim "every call returns" (pan -a -f)
  *   SPURIOUS         futex waits may also end spuriously (off by default:
  *                    an ever-possible wake-up would hide a lost wake-up,
@@ -46,11 +49,15 @@
  *
  * Not modelled: KL_EVENTUAL (barging, KL__RETRY, compete), KL_ERRORCHECK,
  * timeout 0 (try_enter), tokens made by kl_cancel_new_timeout, the key
- * table (which uses this queue under its shard locks), the spin before
- * parking (it only delays the CAS to PARKED) and after a prod (it only
- * delays the next CAS), memory order (the C11 orders are TSan's to judge).
+ * table (which uses this queue under its shard locks), memory order (the
+ * C11 orders are TSan's to judge), the spin of a reset event's waiter (it
+ * only delays the CAS to PARKED).
  * The prod is modelled: a leave that hands the mutex over marks a parked
  * new head PRODDED and wakes it after the unlock.
+ * The mutex's spin is modelled by where it can end (waitq.c, spin): it
+ * sees SETTLED, or it gives up (SPIN_NS ran out) and goes on to park; see
+ * inline spin.  Any decision to stop spinning must end the same way,
+ * through the CAS from AWAKE (mutant-spin-park).
  *
  * Assertions:
  * - at most one owner, and a client's result agrees with ownership
@@ -65,7 +72,9 @@
  *   live ones are queued, else all of them and stays signaled with the rest
  *   of the budget; signaled implies an empty queue;
  * - at the end owner == 0 && qlen == 0, and no invalid end state (no waiter
- *   left asleep, no lock left held, no deadlock).
+ *   left asleep, no lock left held, no deadlock);
+ * - a waiter spins only as the head: while it spins, it is either settled
+ *   or first in the queue.
  */
 
 #ifndef N
@@ -318,14 +327,43 @@ inline waitq_enqueue(me)
 			:: else -> skip
 			fi;
 			append(me);
+#ifdef MUTEX
+			spinme = qlen == 1; /* only the head spins */
+#endif
 			unlock(qlock)
 		fi
 	fi
 }
 
+/* waitq.c's spin.  Its steps only read the word or yield, which changes
+ * no state of the model, so a spin reduces to its end: it sees SETTLED, or
+ * it gives up (SPIN_NS ran out) and goes on to the CAS to PARKED.  Only the
+ * head spins. */
+inline spin(me)
+{
+	/* one step: what it saw (and that only the head spins) */
+	atomic {
+		assert(word[me] == SETTLED || qlen > 0 && q[0] == me);
+		spinme = false
+	}
+#ifdef MUTANT_SPIN_PARK
+	/* the bug: giving up, it parks by a plain store, which may hide
+	 * a grant published since the look above */
+	;
+	if
+	:: word[me] != SETTLED -> word[me] = PARKED
+	:: else -> skip
+	fi
+#endif
+}
+
 /* kl__waitq_wait, the parking loop: until the outcome is published. */
 inline waitq_park(me)
 {
+	if
+	:: spinme -> spin(me)
+	:: else -> skip
+	fi;
 	do
 	:: word[me] == SETTLED -> break
 	:: else ->
@@ -336,6 +374,7 @@ inline waitq_park(me)
 			:: else -> skip
 			fi
 		};
+
 		/* FUTEX_WAIT: sleeps only if the word is still PARKED. */
 		atomic {
 			if
@@ -350,13 +389,17 @@ inline waitq_park(me)
 		:: atomic { sleeping[me] -> sleeping[me] = false }
 #endif
 		fi;
-		/* Prodded: back to AWAKE (then spins, which the model skips). */
+		/* Prodded: back to AWAKE, then spins as the new head. */
 		atomic {
 			if
-			:: word[me] == PRODDED -> word[me] = AWAKE
+			:: word[me] == PRODDED -> word[me] = AWAKE; spinme = true
 			:: else -> skip
 			fi
 		};
+		if
+		:: spinme -> spin(me)
+		:: else -> skip
+		fi;
 		/* Never early: a timeout only once the deadline has passed. */
 		if
 		:: word[me] != SETTLED && expired[me] ->
@@ -572,7 +615,7 @@ proctype admin(byte lim)
 proctype client(byte me)
 {
 	byte rc = EPENDING, old, w, g, i, pg;
-	bool took, abort;
+	bool took, abort, spinme;
 
 	/* kl_mutex_enter: a token fired before the call */
 	if
@@ -843,6 +886,7 @@ proctype setter()
 proctype ewaiter(byte me)
 {
 	byte rc = EPENDING, old, w, i;
+	bool spinme;
 
 	/* kl_reset_event_wait: a token fired before the call */
 	if

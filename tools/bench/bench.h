@@ -53,7 +53,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -65,6 +67,7 @@
 
 #ifdef __linux__
 #include <linux/perf_event.h>
+#include <sys/prctl.h>
 #include <sys/syscall.h>
 #define BENCH_PERF 1
 #endif
@@ -94,6 +97,7 @@ int kl_bench_provider_main(int argc, char **argv);
 
 struct bench_opt {
 	bool quick, json, strict;
+	bool pin;         /* --pin: contended workloads pinned */
 	const char *plot;
 	int runs;
 	int duration_ms;
@@ -301,7 +305,7 @@ struct target {
 	bool stretch_met;
 };
 
-#define MAXTARGETS 16
+#define MAXTARGETS 24
 
 /* The functions and variables the files share, by file. */
 
@@ -324,9 +328,12 @@ void wait_true(atomic_bool *v);
 void spin_for(int64_t ns);
 extern int cpu_list[1024];
 extern int ncpus;
+extern bool pin_now; /* pinned_attr and pin_self pin (else: every CPU) */
 void cpus_init(void);
 void pinned_attr(pthread_attr_t *a, int slot);
 void pin_self(int slot);
+void hog_start(void);
+void hog_stop(void);
 int cmp_double(const void *a, const void *b);
 struct summary summarize(const double *v, int n);
 double paired_ratio(const double *a, const double *b, int n);
@@ -379,7 +386,11 @@ extern const int thread_counts[];
 extern const char *const sec_name[NSEC];
 void run_contended(struct subject *s, int nthreads, int sec, bool count,
 	struct hist *into, struct crun *out);
+/* The chosen mode; the same beside the CPU hog; 2 threads, empty section,
+ * in the other mode (pinned unless --pin). */
 extern struct cres cres[NKINDS][NTHR][NSEC];
+extern struct cres cres_hog[NKINDS][NTHR][NSEC];
+extern struct cres cres_alt[NKINDS];
 extern long total_violations;
 extern uint64_t total_sections;
 void run_contended_all(void);
@@ -395,6 +406,7 @@ extern int ntargets;
 void target(const char *name, double value, bool at_most, double limit,
 	double stretch, const char *unit);
 void evaluate(void);
+const char *mode_name(bool pinned);
 extern const char *const urow_id[NUROWS];
 const char *fmt(char *buf, size_t size, double v);
 void print_urow_label(char *buf, size_t size, int r);

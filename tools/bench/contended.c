@@ -207,33 +207,68 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 }
 
 struct cres cres[NKINDS][NTHR][NSEC];
+struct cres cres_hog[NKINDS][NTHR][NSEC];
+struct cres cres_alt[NKINDS];
 long total_violations;
 uint64_t total_sections;
 
+static void
+record(struct cres *c, int i, const struct crun *r)
+{
+	c->tput[i] = r->tput;
+	c->fair[i] = r->fair;
+	c->fair_all[i] = r->fair_all;
+	c->chg[i] = r->chg;
+	c->ops += r->ops;
+	c->violations += r->violations;
+	total_violations += r->violations;
+	total_sections += r->ops;
+}
+
+/* Repetition i of every lock, thread count and section into into. */
+static void
+contended_pass(struct cres into[NKINDS][NTHR][NSEC], int i)
+{
+	struct crun r;
+
+	for (int t = 0; t < NTHR; t++)
+		for (int sec = 0; sec < NSEC; sec++)
+			for (int k = 0; k < NKINDS; k++) {
+				struct cres *c = &into[k][t][sec];
+
+				run_contended(&subjects[k], thread_counts[t],
+					      sec, false, &c->h, &r);
+				record(c, i, &r);
+			}
+}
+
+/*
+ * Each repetition measures, back to back: every workload in the chosen mode
+ * (unpinned unless --pin), 2 threads with an empty section in the other
+ * mode, then every workload again in the chosen mode beside the background
+ * CPU hog.  The hog is started and killed around its pass, so the other
+ * passes run without it.
+ */
 void
 run_contended_all(void)
 {
 	struct crun r;
 
 	progress("contended");
-	for (int i = 0; i < opt.runs; i++)
-		for (int t = 0; t < NTHR; t++)
-			for (int sec = 0; sec < NSEC; sec++)
-				for (int k = 0; k < NKINDS; k++) {
-					struct cres *c = &cres[k][t][sec];
-
-					run_contended(&subjects[k],
-						      thread_counts[t], sec,
-						      false, &c->h, &r);
-					c->tput[i] = r.tput;
-					c->fair[i] = r.fair;
-					c->fair_all[i] = r.fair_all;
-					c->chg[i] = r.chg;
-					c->ops += r.ops;
-					c->violations += r.violations;
-					total_violations += r.violations;
-					total_sections += r.ops;
-				}
+	for (int i = 0; i < opt.runs; i++) {
+		pin_now = opt.pin;
+		contended_pass(cres, i);
+		pin_now = !opt.pin;
+		for (int k = 0; k < NKINDS; k++) {
+			run_contended(&subjects[k], 2, 0, false,
+				      &cres_alt[k].h, &r);
+			record(&cres_alt[k], i, &r);
+		}
+		pin_now = opt.pin;
+		hog_start();
+		contended_pass(cres_hog, i);
+		hog_stop();
+	}
 }
 
 /* ------------------------------------------------------------------ */

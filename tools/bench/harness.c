@@ -130,14 +130,18 @@ spin_for(int64_t ns)
 }
 
 /*
- * Threads are pinned round-robin over the CPUs the process may use: left to
- * itself the scheduler often wakes a granted waiter on its waker's CPU, and
- * two threads sharing one core take turns without ever contending, so a run
- * measured either a convoy or no contention at all, by chance.  The main
- * thread takes the first CPU, worker i the (i mod n)th.
+ * By default no thread is pinned: servers do not pin theirs, and what the
+ * scheduler then does (wake a granted waiter on its waker's CPU, let a
+ * spinning waiter sit on the CPU its holder needs) is part of what users
+ * get.  With --pin, threads are pinned round-robin over the CPUs the
+ * process may use (the main thread takes the first CPU, worker i the (i mod
+ * n)th): left to itself the scheduler may put two threads on one core,
+ * where they take turns without ever contending, so a pinned run shows what
+ * the lock does when every thread has a CPU of its own.
  */
 int cpu_list[1024];
 int ncpus;
+bool pin_now;
 
 void
 cpus_init(void)
@@ -153,7 +157,23 @@ cpus_init(void)
 #endif
 }
 
-/* Thread attributes pinning a new thread to CPU slot (mod n). */
+#ifdef __linux__
+/* CPU slot (mod n) alone when pinning, else every CPU of the process: a
+ * thread inherits its creator's mask, and the main thread may be pinned. */
+static void
+slot_set(cpu_set_t *set, int slot)
+{
+	CPU_ZERO(set);
+	if (pin_now) {
+		CPU_SET(cpu_list[slot % ncpus], set);
+		return;
+	}
+	for (int i = 0; i < ncpus; i++)
+		CPU_SET(cpu_list[i], set);
+}
+#endif
+
+/* Thread attributes placing a new thread for CPU slot (mod n). */
 void
 pinned_attr(pthread_attr_t *a, int slot)
 {
@@ -162,8 +182,7 @@ pinned_attr(pthread_attr_t *a, int slot)
 	if (ncpus > 0) {
 		cpu_set_t set;
 
-		CPU_ZERO(&set);
-		CPU_SET(cpu_list[slot % ncpus], &set);
+		slot_set(&set, slot);
 		pthread_attr_setaffinity_np(a, sizeof set, &set);
 	}
 #else
@@ -178,13 +197,76 @@ pin_self(int slot)
 	if (ncpus > 0) {
 		cpu_set_t set;
 
-		CPU_ZERO(&set);
-		CPU_SET(cpu_list[slot % ncpus], &set);
+		slot_set(&set, slot);
 		pthread_setaffinity_np(pthread_self(), sizeof set, &set);
 	}
 #else
 	(void)slot;
 #endif
+}
+
+/* ------------------------------------------------------------------ */
+/* The background CPU hog                                              */
+
+/*
+ * One busy thread of another process, as on a machine that does other work
+ * besides the program that locks: a child that spins, never pinned.  It is
+ * killed by hog_stop, by exit (atexit), and by the kernel when this process
+ * dies any other way (PR_SET_PDEATHSIG), so it never outlives the bench.
+ */
+static pid_t hog_pid;
+static bool hog_registered;
+
+void
+hog_stop(void)
+{
+	if (hog_pid <= 0)
+		return;
+	kill(hog_pid, SIGKILL);
+	while (waitpid(hog_pid, NULL, 0) < 0 && errno == EINTR)
+		;
+	hog_pid = 0;
+}
+
+void
+hog_start(void)
+{
+	pid_t parent = getpid();
+	pid_t pid;
+
+	if (hog_pid > 0)
+		return;
+	if (!hog_registered) {
+		if (atexit(hog_stop) != 0)
+			die("atexit failed");
+		hog_registered = true;
+	}
+	fflush(NULL); /* the child must not write our buffers twice */
+	pid = fork();
+	if (pid < 0)
+		die("fork for the CPU hog: %s", strerror(errno));
+	if (pid == 0) {
+		/* Async-signal-safe calls only: the parent has threads. */
+		volatile unsigned long spins = 0;
+
+#ifdef __linux__
+		cpu_set_t set;
+
+		(void)prctl(PR_SET_PDEATHSIG, SIGKILL);
+		if (getppid() != parent)
+			_exit(0);
+		CPU_ZERO(&set);
+		for (int i = 0; i < ncpus; i++)
+			CPU_SET(cpu_list[i], &set);
+		if (ncpus > 0)
+			(void)sched_setaffinity(0, sizeof set, &set);
+#else
+		(void)parent;
+#endif
+		for (;;)
+			spins++;
+	}
+	hog_pid = pid;
 }
 
 /* ------------------------------------------------------------------ */

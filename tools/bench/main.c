@@ -42,6 +42,9 @@ usage(void)
 	       "quick 3)\n"
 	       "  -d, --duration MS    milliseconds per contended run "
 	       "(default 200, quick 30)\n"
+	       "      --pin            pin threads round-robin to the CPUs "
+	       "(default: unpinned,\n"
+	       "                       as servers run them)\n"
 	       "  -s, --strict         exit 1 when a target is missed\n"
 	       "  -h, --help           show this help and exit\n"
 	       "  -V, --version        show the version and exit\n\n"
@@ -90,6 +93,7 @@ parse_options(int argc, char **argv)
 		{ "runs", required_argument, NULL, 'r' },
 		{ "duration", required_argument, NULL, 'd' },
 		{ "strict", no_argument, NULL, 's' },
+		{ "pin", no_argument, NULL, 'P' },
 		{ "help", no_argument, NULL, 'h' },
 		{ "version", no_argument, NULL, 'V' },
 		{ NULL, 0, NULL, 0 }
@@ -117,6 +121,9 @@ parse_options(int argc, char **argv)
 			break;
 		case 's':
 			opt.strict = true;
+			break;
+		case 'P':
+			opt.pin = true;
 			break;
 		case 'h':
 			usage();
@@ -170,21 +177,29 @@ parse_options(int argc, char **argv)
 }
 
 static void
+cres_alloc(struct cres *c, size_t n)
+{
+	c->tput = xcalloc(n, sizeof(double));
+	c->fair = xcalloc(n, sizeof(double));
+	c->fair_all = xcalloc(n, sizeof(double));
+	c->chg = xcalloc(n, sizeof(double));
+}
+
+static void
 alloc_results(void)
 {
 	size_t n = (size_t)opt.runs;
 
 	for (int r = 0; r < NUROWS; r++)
 		ures[r] = xcalloc(n, sizeof(double));
-	for (int k = 0; k < NKINDS; k++)
+	for (int k = 0; k < NKINDS; k++) {
 		for (int t = 0; t < NTHR; t++)
 			for (int s = 0; s < NSEC; s++) {
-				cres[k][t][s].tput = xcalloc(n, sizeof(double));
-				cres[k][t][s].fair = xcalloc(n, sizeof(double));
-				cres[k][t][s].fair_all =
-					xcalloc(n, sizeof(double));
-				cres[k][t][s].chg = xcalloc(n, sizeof(double));
+				cres_alloc(&cres[k][t][s], n);
+				cres_alloc(&cres_hog[k][t][s], n);
 			}
+		cres_alloc(&cres_alt[k], n);
+	}
 	for (int k = 0; k < NHAND; k++)
 		for (int m = 0; m < 2; m++) {
 			hres[k][m].p50 = xcalloc(n, sizeof(double));
@@ -207,6 +222,7 @@ main(int argc, char **argv)
 	if ((rc = pthread_create(&idle, NULL, idle_main, NULL)) != 0)
 		die("pthread_create: %s", strerror(rc));
 	cpus_init();
+	pin_now = opt.pin;
 	pin_self(0);
 	alloc_results();
 	stripes_init();

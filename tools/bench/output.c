@@ -50,6 +50,31 @@ jsys(const struct sysres *s)
 	printf(", \"operations\": %llu", (unsigned long long)s->n);
 }
 
+static void
+jcontended(const struct cres *c, int k, int nthreads, int sec, bool last)
+{
+	printf("    {\"lock\": \"%s\", \"threads\": %d, \"section\": "
+	       "\"%s\", ",
+	       kind_name[k], nthreads, sec_name[sec]);
+	jsummary("ops_per_s", c->tput, opt.runs);
+	fputs(", ", stdout);
+	jsummary("owner_changes_per_acq", c->chg, opt.runs);
+	fputs(", ", stdout);
+	jsummary("fairness_max_min", c->fair, opt.runs);
+	fputs(", ", stdout);
+	jsummary("fairness_from_start", c->fair_all, opt.runs);
+	fputs(", \"wait_ns\": {\"p50\": ", stdout);
+	jnum(hist_pct(&c->h, 0.50));
+	fputs(", \"p99\": ", stdout);
+	jnum(hist_pct(&c->h, 0.99));
+	fputs(", \"max\": ", stdout);
+	jnum((double)c->h.max);
+	printf(", \"samples\": %llu}, \"operations\": %llu, "
+	       "\"violations\": %ld}%s\n",
+	       (unsigned long long)c->h.count, (unsigned long long)c->ops,
+	       c->violations, last ? "" : ",");
+}
+
 void
 print_json(void)
 {
@@ -60,7 +85,8 @@ print_json(void)
 	       PROG, KL_VERSION_STRING, kl_version(),
 	       opt.quick ? "true" : "false", opt.runs, opt.duration_ms,
 	       sysconf(_SC_NPROCESSORS_ONLN), load_before, load_after);
-	fputs("  \"pinned_cpus\": [", stdout);
+	printf("  \"mode\": \"%s\",\n", mode_name(opt.pin));
+	fputs("  \"cpus_of_process\": [", stdout);
 	for (int i = 0; i < ncpus; i++)
 		printf("%s%d", i ? ", " : "", cpu_list[i]);
 	fputs("],\n", stdout);
@@ -96,39 +122,22 @@ print_json(void)
 	fputs("  \"contended\": [\n", stdout);
 	for (int t = 0; t < NTHR; t++)
 		for (int sec = 0; sec < NSEC; sec++)
-			for (int k = 0; k < NKINDS; k++) {
-				struct cres *c = &cres[k][t][sec];
-				bool last = t == NTHR - 1 &&
-					    sec == NSEC - 1 &&
-					    k == NKINDS - 1;
-
-				printf("    {\"lock\": \"%s\", \"threads\": "
-				       "%d, \"section\": \"%s\", ",
-				       kind_name[k], thread_counts[t],
-				       sec_name[sec]);
-				jsummary("ops_per_s", c->tput, opt.runs);
-				fputs(", ", stdout);
-				jsummary("owner_changes_per_acq", c->chg,
-					 opt.runs);
-				fputs(", ", stdout);
-				jsummary("fairness_max_min", c->fair,
-					 opt.runs);
-				fputs(", ", stdout);
-				jsummary("fairness_from_start", c->fair_all,
-					 opt.runs);
-				fputs(", \"wait_ns\": {\"p50\": ", stdout);
-				jnum(hist_pct(&c->h, 0.50));
-				fputs(", \"p99\": ", stdout);
-				jnum(hist_pct(&c->h, 0.99));
-				fputs(", \"max\": ", stdout);
-				jnum((double)c->h.max);
-				printf(", \"samples\": %llu}, "
-				       "\"operations\": %llu, "
-				       "\"violations\": %ld}%s\n",
-				       (unsigned long long)c->h.count,
-				       (unsigned long long)c->ops,
-				       c->violations, last ? "" : ",");
-			}
+			for (int k = 0; k < NKINDS; k++)
+				jcontended(&cres[k][t][sec], k,
+					   thread_counts[t], sec,
+					   t == NTHR - 1 && sec == NSEC - 1 &&
+						   k == NKINDS - 1);
+	fputs("  ],\n  \"contended_cpu_hog\": [\n", stdout);
+	for (int t = 0; t < NTHR; t++)
+		for (int sec = 0; sec < NSEC; sec++)
+			for (int k = 0; k < NKINDS; k++)
+				jcontended(&cres_hog[k][t][sec], k,
+					   thread_counts[t], sec,
+					   t == NTHR - 1 && sec == NSEC - 1 &&
+						   k == NKINDS - 1);
+	printf("  ],\n  \"contended_%s\": [\n", mode_name(!opt.pin));
+	for (int k = 0; k < NKINDS; k++)
+		jcontended(&cres_alt[k], k, 2, 0, k == NKINDS - 1);
 	fputs("  ],\n  \"handoff_ns\": [\n", stdout);
 	for (int m = 0; m < 2; m++)
 		for (int k = 0; k < NHAND; k++) {
