@@ -393,6 +393,8 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
 {
 	uint64_t held = (st + FENCE_ONE) | E_HELD;
 
+	KL_ASSERT((st & (E_SLOT | E_USED | E_HELD | E_BUSY)) ==
+		  (E_SLOT | E_USED));
 	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, held,
 						     memory_order_acquire,
 						     memory_order_relaxed))
@@ -416,11 +418,17 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	   uint64_t *fence)
 {
 	uint64_t f = fence_of(st), *k = slot_words(e), busy;
+	unsigned i = kl__table_slot_of(h);
 	/* Read after st, which came with acquire order: a floor raised
-	 * before the mark that kept stealers off went is seen. */
-	uint64_t lo = __atomic_load_n(&s->floor[kl__table_slot_of(h)],
-				      __ATOMIC_RELAXED);
+	 * before the mark that kept stealers off went is seen.  Without the
+	 * lock, the floor cannot rise between this read and a successful
+	 * compare-and-swap below: it rises only while the slot is marked
+	 * E_CHAIN, and the mark is only ever set on a held word (see
+	 * slot_mark_chained), so a mark set and gone after st was read
+	 * means the word changed and the swap fails. */
+	uint64_t lo = __atomic_load_n(&s->floor[i], __ATOMIC_RELAXED);
 
+	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
 	       E_SLOT | E_USED | E_HELD | E_BUSY;
 
@@ -429,6 +437,9 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 						     memory_order_relaxed))
 		return false;
 	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	/* Busy now, so nobody marks the slot until the key is written: the
+	 * floor read above is still the floor the new fence must pass. */
+	KL_ASSERT(__atomic_load_n(&s->floor[i], __ATOMIC_RELAXED) == lo);
 	/* A reader that sees any of the words below sees E_BUSY too (the
 	 * fence pairs with the one in fast_acquire), so its own
 	 * compare-and-swap against the old word fails. */
@@ -449,10 +460,12 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	return true;
 }
 
-/* The word of slot e once no stealer is writing it.  Lock held; a stealer
- * never takes it, so waiting with it held cannot deadlock. */
+/* The word of slot e once no stealer is writing it (E_BUSY clear), with
+ * acquire order.  Lock held; a stealer never takes it, so waiting with it
+ * held cannot deadlock.  Not the waiter's outcome (waitq.c,
+ * outcome_published): this waits out a lock-free writer of a slot. */
 static uint64_t
-settled(struct kl__entry *e)
+slot_wait_unbusy(struct kl__entry *e)
 {
 	uint64_t st;
 
@@ -472,13 +485,13 @@ slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
 {
 	bool has;
 
-	*st = settled(e);
+	*st = slot_wait_unbusy(e);
 	has = (*st & E_USED) && slot_has(e, h, len, w);
 	/* Pairs with the stealer's fence: words it wrote mean a new word. */
 	atomic_thread_fence(memory_order_acquire);
 	if (state_of(e, memory_order_relaxed) != *st)
 		return -1;
-	/* The acquire in settled: a key given back by CAS and then taken
+	/* The acquire in slot_wait_unbusy: a key given back by CAS and then taken
 	 * under the lock in a chain (its slot taken over meanwhile) must
 	 * see what its last holder wrote, and the slot's word is the only
 	 * thing between them. */
@@ -546,6 +559,8 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 		return slot_take(e, st, out, fence);
 	if (st & E_CHAIN)
 		return false;
+	/* Unmarked: no chained key has this slot's index, so the key can
+	 * be in the slot only, and the slot's floor is read unlocked. */
 	return slot_claim(s, e, st, h, len, w, out, fence);
 }
 
@@ -702,6 +717,10 @@ slot_unchain(struct shard *s, unsigned i, uint64_t f)
 	 * take that key without the lock. */
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	st = state_of(e, memory_order_relaxed);
+	/* A stealer never takes a marked slot, and the lock keeps the
+	 * other writers of its key off: the swap below only races with
+	 * takes and releases of the key the slot holds. */
+	KL_ASSERT((st & (E_CHAIN | E_BUSY)) == E_CHAIN);
 	while (!atomic_compare_exchange_weak_explicit(
 		&e->state, &st, st & ~(uint64_t)E_CHAIN, memory_order_release,
 		memory_order_relaxed))
@@ -722,6 +741,27 @@ unchain(struct shard *s, struct kl__entry *e, uint64_t f)
 
 /* ------------------------------------------------------------------ */
 /* Acquire and release */
+
+/* Marks slot e, read held by another key in word *st, E_CHAIN: a chained
+ * key of its index may come.  False when the word changed meanwhile (*st
+ * gets it).  Lock held.
+ *
+ * The mark is only ever set on a held word.  This is what makes the
+ * stealer's floor read in slot_claim safe without the lock: a stealer
+ * that read the slot idle or empty and unmarked can only succeed if the
+ * word never changed since, so no mark came and went, so the floor did
+ * not rise.  A mark set on an idle word would let a chained key come and
+ * go (raising the floor) without the stealer's swap failing. */
+static bool
+slot_mark_chained(struct kl__entry *e, uint64_t *st)
+{
+	KL_ASSERT((*st & (E_HELD | E_BUSY)) == E_HELD);
+	if (*st & E_CHAIN)
+		return true;
+	return atomic_compare_exchange_strong_explicit(
+		&e->state, st, *st | E_CHAIN, memory_order_relaxed,
+		memory_order_relaxed);
+}
 
 /* take_locked's outcome when another holds the key. */
 #define KEY_HELD 1
@@ -780,10 +820,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 		}
 		/* Another key holds the slot: the key goes in a chain, and
 		 * the mark keeps stealers off the slot meanwhile. */
-		if ((*st & E_CHAIN) ||
-		    atomic_compare_exchange_strong_explicit(
-			    &e->state, st, *st | E_CHAIN,
-			    memory_order_relaxed, memory_order_relaxed))
+		if (slot_mark_chained(e, st))
 			break;
 	}
 	/* Above every fence the key had: in the slot (its fences never
@@ -850,6 +887,9 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
 			break;
 		if (mark_waiting(e, st)) {
+			/* Waiters queue only on a held key, marked, so its
+			 * holder releases through the lock and hands over. */
+			KL_ASSERT(st & E_HELD);
 			rc = kl__waitq_wait(&e->q, w, deadline_ns,
 					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
 			if (rc == KL_OK) {
@@ -950,6 +990,7 @@ release_locked(struct shard *s, struct kl__entry *e)
 	 * taker needs it free, and the caller is the holder), so plain
 	 * stores do. */
 	st = state_of(e, memory_order_relaxed);
+	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
 	f = fence_of(st);
 	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
 		atomic_store_explicit(&e->owner_tid, w->tid,
@@ -1198,7 +1239,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 			return KL_EINVAL;
 		}
 		slot = slot_at(slots, kl__table_slot_of(e->hash));
-		st = settled(slot);
+		st = slot_wait_unbusy(slot);
 		key_words(e->key, e->len, w);
 		if (!(st & E_CHAIN) ||
 		    ((st & E_USED) && slot_has(slot, e->hash, e->len, w))) {
@@ -1220,7 +1261,7 @@ static int
 check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 {
 	struct shard *s = &t->shards[i];
-	uint64_t st = settled(e), w[2], k[2];
+	uint64_t st = slot_wait_unbusy(e), w[2], k[2];
 	uint32_t h = __atomic_load_n(&e->hash, __ATOMIC_RELAXED);
 	uint32_t len = __atomic_load_n(&e->len, __ATOMIC_RELAXED);
 	char key[INLINE_KEY], shown[72], what[112];
@@ -1330,6 +1371,33 @@ kl__table_check(struct kl__table *t)
 		pthread_mutex_unlock(&s->lock);
 	}
 	return rc;
+}
+
+bool
+kl__table_mark_slot(struct kl__table *t, const char *key, size_t len)
+{
+	uint32_t h = hash_of(t, key, len);
+	struct shard *s = shard_of(t, h);
+	struct kl__entry *slots, *e;
+	uint64_t st = 0;
+
+	pthread_mutex_lock(&s->lock);
+	slots = atomic_load_explicit(&s->slots, memory_order_relaxed);
+	if (len < INLINE_KEY && slots != NULL) {
+		e = slot_at(slots, kl__table_slot_of(h));
+		st = slot_wait_unbusy(e);
+		/* A mark that was there already is not this call's to take
+		 * off. */
+		if (!(st & E_CHAIN) && s->nchain[kl__table_slot_of(h)] == 0) {
+			while (!slot_mark_chained(e, &st))
+				;
+			atomic_fetch_and_explicit(&e->state,
+						  ~(uint64_t)E_CHAIN,
+						  memory_order_relaxed);
+		}
+	}
+	pthread_mutex_unlock(&s->lock);
+	return (st & E_HELD) != 0;
 }
 
 void

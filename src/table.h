@@ -127,6 +127,12 @@ KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
  * each slot, the count matching the chains, every queue consistent
  * (kl__waitq_check).  KL_OK or KL_EINVAL after reporting to stderr. */
 KL_HIDDEN int kl__table_check(struct kl__table *t);
+/* Sets and takes off again the E_CHAIN mark of key's slot the way a key
+ * chained beside it would, whatever the slot's word: on a slot that is not
+ * held, the KL_ASSERT of that invariant fires (see kl__test_assert_record).
+ * Returns whether the slot was held.  Only while no other thread uses t. */
+KL_HIDDEN bool kl__table_mark_slot(struct kl__table *t, const char *key,
+				   size_t len);
 /* See kl__test_table_skew. */
 KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 #endif
