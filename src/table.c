@@ -9,12 +9,12 @@
  * keys mostly live in a few slot entries per shard that are taken and given
  * back without the lock (see table_acquire.c).
  *
- * This file: making and freeing the table, its hash, and the counts and
- * queries that look at every shard.  The rest is one concern a file:
- * table_acquire.c takes keys and gives them back (the slot protocol, its
- * invariants, the waiters); table_chain.c keeps the bucket chains (insert,
- * unlink, resize, the switch to SipHash); table_check.c checks all of it
- * in the test build.  table.h holds the layout and the reads they share.
+ * This file: the table's storage (making and freeing it, its hash, the
+ * bucket arrays and their size) and the counts and queries that look at
+ * every shard.  table_acquire.c takes keys and gives them back (the slot
+ * protocol and its invariants, chained entries, the waiters);
+ * table_check.c checks all of it in the test build.  table.h holds the
+ * layout and the reads they share.
  *
  * Keys are hashed with a keyed multiply-fold hash (see hash_of; SipHash for
  * the buckets of a shard that meets a long chain); the top bits pick the
@@ -110,6 +110,77 @@ uint32_t
 kl__table_hash(const struct kl__table *t, const char *key, size_t len)
 {
 	return hash_of(t, key, len);
+}
+
+/* ------------------------------------------------------------------ */
+/* Bucket arrays: where a key lives that its slot cannot take (a long key,
+ * or a short one whose slot another key holds).  An array doubles at one
+ * entry per bucket and halves at a quarter; a chain of CHAIN_LIMIT makes
+ * its shard index buckets by SipHash (see hash_of in table.h).  The
+ * entries themselves are made and freed by table_acquire.c (insert,
+ * unlink_entry), which calls here only when the array must change. */
+
+/* Rebuilds the bucket array with n buckets (a power of two).  On allocation
+ * failure the old array stays: a full table is slower, never wrong. */
+static bool
+rehash(struct shard *s, size_t n)
+{
+	struct kl__entry **nb = kl__calloc(n, sizeof *nb);
+	size_t old = s->buckets != NULL ? s->mask + 1 : 0;
+
+	if (nb == NULL)
+		return false;
+	s->mask = n - 1;
+	for (size_t i = 0; i < old; i++) {
+		struct kl__entry *e = s->buckets[i], *next;
+
+		for (; e != NULL; e = next) {
+			size_t b = bucket_of(s, e->hash, e->key, e->len);
+
+			next = e->next;
+			e->next = nb[b];
+			nb[b] = e;
+		}
+	}
+	kl__free(s->buckets);
+	s->buckets = nb;
+	return true;
+}
+
+/* A chain of CHAIN_LIMIT in a shard that trusts the fast hash: index the
+ * buckets by SipHash from now on (see hash_of).  Lock held. */
+static void
+check_chain(struct shard *s, size_t chain)
+{
+	if (s->strong || chain < CHAIN_LIMIT)
+		return;
+	s->strong = true;
+	if (!rehash(s, s->mask + 1))
+		s->strong = false; /* out of memory: try again next time */
+}
+
+/* Shrink lazily (a quarter full), never below MIN_BUCKETS: a shard whose
+ * only chained key comes and goes keeps its small array instead of
+ * allocating it on every acquire.  Lock held. */
+void
+kl__chain_shrink(struct shard *s)
+{
+	while (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4) {
+		if (!rehash(s, (s->mask + 1) / 2))
+			break; /* out of memory: stay as is */
+	}
+}
+
+int
+kl__chain_grow(struct shard *s, size_t chain)
+{
+	if (s->buckets == NULL)
+		return rehash(s, MIN_BUCKETS) ? KL_OK : KL_ENOMEM;
+	if (s->count >= s->mask + 1 && s->mask + 1 < MAX_BUCKETS)
+		rehash(s, (s->mask + 1) * 2); /* out of memory: fuller */
+	else
+		check_chain(s, chain);
+	return KL_OK;
 }
 
 /* ------------------------------------------------------------------ */

@@ -141,13 +141,13 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 
 #ifdef KL__TABLE_PRIVATE
 /*
- * Shared by the table's files only (table.c, table_chain.c,
- * table_acquire.c, table_check.c), which define KL__TABLE_PRIVATE before
- * including this header: the layout of a shard, the state word, the hash
- * and the reads of slots and chains that the lock-free path and the
- * locked one both make.  Inline here, so that kl__table_acquire's
- * lock-free take (table_acquire.c, with the swaps it calls) still
- * compiles to one function without a call out of its file.
+ * Shared by the table's files only (table.c, table_acquire.c,
+ * table_check.c), which define KL__TABLE_PRIVATE before including this
+ * header: the layout of a shard, the state word, the hash, and the reads
+ * of slots and chains that the lock-free path and the locked one both
+ * make.  Inline here, so that kl__table_acquire's lock-free take
+ * (table_acquire.c, with the swaps it calls) still compiles to one
+ * function without a call out of its file, as it did before the split.
  */
 #include <sched.h>
 #include <string.h>
@@ -429,7 +429,7 @@ slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
 }
 
 /* ------------------------------------------------------------------ */
-/* Chains (table_chain.c) */
+/* Chains (table.c) */
 
 /* The chained entry of key, or NULL; *chain gets the length of its
  * bucket.  Lock held. */
@@ -455,15 +455,24 @@ find(struct shard *s, uint32_t h, const char *key, size_t len, size_t *chain)
 	return e;
 }
 
-/* Links a new chained entry for key, held by the caller with fence; chain
- * is the length of its bucket (find).  KL_OK with *out, or KL_ENOMEM.
- * Lock held. */
-KL_HIDDEN int kl__chain_insert(struct shard *s, uint32_t h, const char *key,
-			       size_t len, size_t chain, uint64_t fence,
-			       struct kl__entry **out);
-/* Unlinks chained entry e from its bucket, and shrinks the bucket array
- * when it is a quarter full.  Lock held; the caller frees e. */
-KL_HIDDEN void kl__chain_unlink(struct shard *s, struct kl__entry *e);
+/* Readies the bucket array of s for one more chained entry, whose bucket
+ * holds chain entries (find): grows it, or makes the shard index its
+ * buckets by SipHash.  KL_OK, or KL_ENOMEM when s had no array and none
+ * could be made.  Lock held.  chain_room calls it only when there is
+ * something to do. */
+KL_HIDDEN int kl__chain_grow(struct shard *s, size_t chain);
+/* Halves the bucket array of s while it is a quarter full, down to
+ * MIN_BUCKETS.  Lock held. */
+KL_HIDDEN void kl__chain_shrink(struct shard *s);
+
+static inline int
+chain_room(struct shard *s, size_t chain)
+{
+	if (s->buckets != NULL && s->count < s->mask + 1 &&
+	    (s->strong || chain < CHAIN_LIMIT))
+		return KL_OK;
+	return kl__chain_grow(s, chain);
+}
 #endif /* KL__TABLE_PRIVATE */
 
 #endif /* KL_TABLE_H */

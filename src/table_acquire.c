@@ -200,6 +200,57 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 	return slot_claim(s, e, st, h, len, w, out, fence);
 }
 
+/* ------------------------------------------------------------------ */
+/* Chained entries */
+
+/* Links a new chained entry for key, held by the caller with fence; chain
+ * is the length of its bucket.  Lock held. */
+static int
+insert(struct shard *s, uint32_t h, const char *key, size_t len,
+       size_t chain, uint64_t fence, struct kl__entry **out)
+{
+	struct kl__entry *e;
+	size_t b;
+	int rc;
+
+	if ((rc = chain_room(s, chain)) != KL_OK)
+		return rc;
+	if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
+	    (e = kl__malloc(sizeof *e + (len < INLINE_KEY ? INLINE_KEY
+							  : len + 1))) == NULL)
+		return KL_ENOMEM;
+	e->hash = h;
+	e->len = (uint32_t)len;
+	kl__waitq_init(&e->q, &s->lock);
+	atomic_init(&e->state, (fence << FENCE_SHIFT) | E_HELD);
+	atomic_init(&e->owner_tid, kl__thread_id());
+	KL_ANNOTATE_ATOMIC(&e->state);
+	KL_ANNOTATE_ATOMIC(&e->owner_tid);
+	e->lock = NULL;
+	memcpy(e->key, key, len);
+	e->key[len] = '\0';
+	b = bucket_of(s, h, key, len);
+	e->next = s->buckets[b];
+	s->buckets[b] = e;
+	s->count++;
+	*out = e;
+	return KL_OK;
+}
+
+static void
+unlink_entry(struct shard *s, struct kl__entry *e)
+{
+	struct kl__entry **pp =
+		&s->buckets[bucket_of(s, e->hash, e->key, e->len)];
+
+	while (*pp != e)
+		pp = &(*pp)->next;
+	*pp = e->next;
+	s->count--;
+	if (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4)
+		kl__chain_shrink(s);
+}
+
 /* A chained short key of slot index i is gone with fence f: the floor of
  * the slot rises to it, and the slot loses its mark with the last such
  * key.  Lock held; the slot cannot be busy (it is marked), but its key
@@ -236,7 +287,7 @@ slot_unchain(struct shard *s, unsigned i, uint64_t f)
 static void
 unchain(struct shard *s, struct kl__entry *e, uint64_t f)
 {
-	kl__chain_unlink(s, e);
+	unlink_entry(s, e);
 	if (e->len < INLINE_KEY)
 		slot_unchain(s, kl__table_slot_of(e->hash), f);
 	else if (s->fence < f)
@@ -289,8 +340,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 			*st = state_of(c, memory_order_relaxed);
 			return KEY_HELD;
 		}
-		rc = kl__chain_insert(s, h, key, len, chain, s->fence + 1,
-				      out);
+		rc = insert(s, h, key, len, chain, s->fence + 1, out);
 		if (rc == KL_OK)
 			*fence = ++s->fence;
 		return rc;
@@ -331,7 +381,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 	/* Above every fence the key had: in the slot (its fences never
 	 * pass the slot's) or chained before (the floor). */
 	f = fence_of(*st) > s->floor[i] ? fence_of(*st) : s->floor[i];
-	rc = kl__chain_insert(s, h, key, len, chain, f + 1, &c);
+	rc = insert(s, h, key, len, chain, f + 1, &c);
 	s->nchain[i]++;
 	if (rc == KL_OK) {
 		*out = c;
