@@ -103,6 +103,28 @@ kl__test_report(const char *fmt, ...)
 	va_end(ap);
 }
 
+static atomic_bool assert_record;
+static atomic_long assert_broken;
+
+long
+kl__test_assert_record(bool on)
+{
+	atomic_store_explicit(&assert_record, on, memory_order_relaxed);
+	return atomic_exchange_explicit(&assert_broken, 0,
+					memory_order_relaxed);
+}
+
+/* The test build only: a test program that broke an invariant stops where
+ * it broke, with a core to look at, unless it asked to count. */
+void
+kl__test_assert_failed(const char *file, int line, const char *expr)
+{
+	kl__test_report("%s:%d: %s", file, line, expr);
+	atomic_fetch_add_explicit(&assert_broken, 1, memory_order_relaxed);
+	if (!atomic_load_explicit(&assert_record, memory_order_relaxed))
+		abort();
+}
+
 /* Bytes asked for since the last kl__test_alloc_bytes call: how a test
  * proves that a huge key is copied once, not once per layer. */
 static atomic_size_t alloc_bytes;

@@ -24,6 +24,19 @@
 
 #define KL_HIDDEN __attribute__((visibility("hidden")))
 
+/* KL_ASSERT(x): an invariant that the code next to it relies on, checked
+ * in the test build (KL_TEST_HOOKS) only.  A broken one is reported on
+ * stderr and aborts the test program (kl__test_assert_record lets a test
+ * count it instead).  Elsewhere x is not evaluated, and nothing aborts. */
+#ifdef KL_TEST_HOOKS
+KL_HIDDEN void kl__test_assert_failed(const char *file, int line,
+				      const char *expr);
+#define KL_ASSERT(x)                                                        \
+	((x) ? (void)0 : kl__test_assert_failed(__FILE__, __LINE__, #x))
+#else
+#define KL_ASSERT(x) ((void)sizeof(!(x)))
+#endif
+
 #include "siphash.h"
 
 /* ------------------------------------------------------------------ */
@@ -351,6 +364,10 @@ KL_API void kl__test_table_skew(kl_provider *p, long delta);
  * of the process: a test waits for its waiters to park, then counts. */
 KL_API long kl__test_parked(void);
 KL_API long kl__test_prods(void);
+/* From now on a broken KL_ASSERT is counted and the program goes on (on),
+ * or aborts it (off, the default).  Returns how many broke since the last
+ * call: how a test shows that an assertion fires. */
+KL_API long kl__test_assert_record(bool on);
 /* Prints "keylock: invariant broken: " and the message to stderr. */
 KL_HIDDEN void kl__test_report(const char *fmt, ...)
 	__attribute__((format(printf, 1, 2)));

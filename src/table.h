@@ -4,7 +4,7 @@
  * A short key lives in one of a few slot entries per shard that are never
  * freed, so that a key taken over and over is taken and given back without
  * a lock; other keys live in bucket chains, in entries made on first use
- * and freed once no holder and no waiter remain (see table.c).
+ * and freed once no holder and no waiter remain (see table_acquire.c).
  */
 #ifndef KL_TABLE_H
 #define KL_TABLE_H
@@ -13,17 +13,18 @@
 
 struct kl__table;
 
-/* Only table.c touches an entry's fields but key, state and lock; they
- * are here so that the accessors below are inlined.
+/* Only the table's files touch an entry's fields but key, state and lock;
+ * they are here so that the accessors below are inlined.
  * 56 bytes and the key: with a key of up to 15 bytes an entry is one
  * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
- * kl__entry_lock).  A slot entry (see table.c) has the same layout. */
+ * kl__entry_lock).  A slot entry (see table_acquire.c) has the same
+ * layout. */
 struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
 	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
 	uint32_t len;           /* key bytes */
 	struct kl__waitq q;
-	/* E_* flags in table.c, and the fence from KL__ENTRY_FENCE_SHIFT */
+	/* E_* flags (below), and the fence from KL__ENTRY_FENCE_SHIFT */
 	atomic_uint_least64_t state;
 	atomic_uint_least64_t owner_tid; /* kl__thread_id() of the holder */
 	kl_lock *lock; /* for the holder's use: see kl__entry_lock */
@@ -34,7 +35,8 @@ struct kl__entry {
 
 #define KL__TABLE_SHARDS 64
 /* Slot entries of a shard: a key of up to 15 bytes lives in the slot its
- * hash picks while that slot is not held by another key (see table.c). */
+ * hash picks while that slot is not held by another key (see
+ * table_acquire.c). */
 #define KL__TABLE_SLOTS 4
 
 /* The slot of a key with hash h (kl__table_hash) in its shard: the bits
@@ -127,8 +129,350 @@ KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
  * each slot, the count matching the chains, every queue consistent
  * (kl__waitq_check).  KL_OK or KL_EINVAL after reporting to stderr. */
 KL_HIDDEN int kl__table_check(struct kl__table *t);
+/* Sets and takes off again the E_CHAIN mark of key's slot the way a key
+ * chained beside it would, whatever the slot's word: on a slot that is not
+ * held, the KL_ASSERT of that invariant fires (see kl__test_assert_record).
+ * Returns whether the slot was held.  Only while no other thread uses t. */
+KL_HIDDEN bool kl__table_mark_slot(struct kl__table *t, const char *key,
+				   size_t len);
 /* See kl__test_table_skew. */
 KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 #endif
+
+#ifdef KL__TABLE_PRIVATE
+/*
+ * Shared by the table's files only (table.c, table_acquire.c,
+ * table_check.c), which define KL__TABLE_PRIVATE before including this
+ * header: the layout of a shard, the state word, the hash, and the reads
+ * of slots and chains that the lock-free path and the locked one both
+ * make.  Inline here, so that kl__table_acquire's lock-free take
+ * (table_acquire.c, with the swaps it calls) still compiles to one
+ * function without a call out of its file, as it did before the split.
+ */
+#include <sched.h>
+#include <string.h>
+
+#include "annotate.h"
+
+#define NSHARDS KL__TABLE_SHARDS
+#define SLOTS KL__TABLE_SLOTS
+#define MIN_BUCKETS 8
+/* Key bytes (NUL included) every slot has room for; shorter keys of a
+ * chained entry get as much, so that its malloc chunk is the same 80
+ * bytes a held slot stands for. */
+#define INLINE_KEY 16
+#define SLOT_SIZE (sizeof(struct kl__entry) + INLINE_KEY)
+/* The state word of an entry. */
+#define E_HELD 1u    /* a holder has the key */
+#define E_WAITERS 2u /* a waiter may be queued: release under the lock */
+#define E_SLOT 4u    /* a slot entry, for good */
+#define E_USED 8u    /* slot: has a key */
+#define E_CHAIN 16u  /* slot: a chained key may have its index */
+#define E_BUSY 32u   /* slot: a stealer is writing its key */
+#define E_FLAGS 63u
+#define FENCE_SHIFT KL__ENTRY_FENCE_SHIFT
+#define FENCE_ONE ((uint64_t)1 << FENCE_SHIFT)
+
+_Static_assert(E_FLAGS < FENCE_ONE, "flags below the fence");
+_Static_assert(SLOT_SIZE % 8 == 0, "slots stay aligned for their words");
+_Static_assert((SLOTS & (SLOTS - 1)) == 0 && SLOTS <= 8,
+	       "kl__table_slot_of takes up to 3 bits");
+
+struct shard {
+	pthread_mutex_t lock;
+	/* SLOTS slot entries of SLOT_SIZE bytes, made under the lock and
+	 * read without it. */
+	_Atomic(struct kl__entry *) slots;
+	struct kl__entry **buckets;
+	uint32_t nchain[SLOTS]; /* chained short keys of each slot index */
+	/* The largest fence a chained key of each slot index had when it
+	 * went: the slot's next key starts above it (see table_acquire.c).
+	 * Written under the lock, read atomically by stealers. */
+	uint64_t floor[SLOTS];
+	size_t count;           /* chained entries */
+	size_t mask;            /* buckets - 1; 0 while no bucket array */
+	uint64_t fence;         /* long keys' fences: see table_acquire.c */
+	uint64_t lookups, probes;
+	/* Buckets by SipHash (see hash_of), keyed with sk. */
+	bool strong;
+	uint64_t sk[2];
+} __attribute__((aligned(64)));
+
+/* No global count of entries: every acquire and release on any key would
+ * write its cache line from every CPU.  kl__table_size counts the shards
+ * with all of them locked at once. */
+struct kl__table {
+	struct shard shards[NSHARDS];
+	/* Keys of the fast hash, drawn from kl__hash's seed: see hash_of. */
+	uint64_t fk[3];
+};
+
+static inline uint64_t
+state_of(struct kl__entry *e, memory_order mo)
+{
+	return atomic_load_explicit(&e->state, mo);
+}
+
+static inline uint64_t
+fence_of(uint64_t st)
+{
+	return st >> FENCE_SHIFT;
+}
+
+/* An entry keeps 32 bits of its key's hash: the top 6 pick the shard, the
+ * next 1-3 the slot, the low ones the bucket (a shard never grows past
+ * MAX_BUCKETS, so shard and bucket never overlap; bucket and slot may, which
+ * only means that a huge shard's chained keys of one bucket share a
+ * slot). */
+#define MAX_BUCKETS ((size_t)1 << 26)
+
+/* The table's hash.  SipHash of every key cost a keyed acquire about a
+ * third of its time, so the table hashes with a keyed multiply-fold hash
+ * instead: 128-bit products of key words and secret words, folded.  It is
+ * not a proven PRF, so a shard does not trust it: a bucket chain of
+ * CHAIN_LIMIT entries (about 1e-9 likely per insert with random keys, as
+ * shards grow at one entry per bucket) makes the shard index its buckets by
+ * SipHash of the key from then on ("strong"), so that keys crafted to
+ * collide under the fast hash spread out again.  The shard itself still
+ * comes from the fast hash: a flood can crowd one shard's lock, never
+ * lengthen its chains. */
+#define CHAIN_LIMIT 12
+
+static inline uint64_t
+fold(uint64_t a, uint64_t b)
+{
+	unsigned __int128 p = (unsigned __int128)a * b;
+
+	return (uint64_t)p ^ (uint64_t)(p >> 64);
+}
+
+/* Keys of up to 16 bytes, the common case, take two multiplications: the
+ * first and last 8 (or 4) bytes, overlapping, with the length. */
+static inline __attribute__((always_inline)) uint32_t
+hash_of(const struct kl__table *t, const char *key, size_t len)
+{
+	uint64_t a, b, h, total = len;
+
+	if (__builtin_expect(len > 16, 0)) {
+		h = t->fk[2];
+		for (; len > 16; key += 16, len -= 16)
+			h = fold(kl__load_le64(key) ^ t->fk[0],
+				 kl__load_le64(key + 8) ^ h);
+		/* The last 1..16 bytes below, mixed with h. */
+	} else {
+		h = 0;
+	}
+	if (len >= 8) {
+		a = kl__load_le64(key);
+		b = kl__load_le64(key + len - 8);
+	} else if (len >= 4) {
+		a = kl__load_le32(key);
+		b = kl__load_le32(key + len - 4);
+	} else if (len > 0) {
+		a = ((uint64_t)(unsigned char)key[0] << 16) |
+		    ((uint64_t)(unsigned char)key[len >> 1] << 8) |
+		    (unsigned char)key[len - 1];
+		b = 0;
+	} else {
+		a = b = 0;
+	}
+	h = fold(a ^ t->fk[0], b ^ t->fk[1] ^ h ^ total);
+	return (uint32_t)(fold(h, t->fk[2]) >> 32);
+}
+
+/* The bucket of a key with hash h in s.  Lock held. */
+static inline size_t
+bucket_of(const struct shard *s, uint32_t h, const char *key, size_t len)
+{
+	if (__builtin_expect(s->strong, 0))
+		return (size_t)kl__siphash(s->sk[0], s->sk[1], key, len) &
+		       s->mask;
+	return h & s->mask;
+}
+
+static inline struct shard *
+shard_of(struct kl__table *t, uint32_t h)
+{
+	return &t->shards[h >> 26];
+}
+
+/* Most keys are short ids: compared with a few word loads inline, they
+ * spare a call to memcmp on every lookup. */
+static inline bool
+same_bytes(const char *a, const char *b, size_t len)
+{
+	uint64_t x, y;
+	uint32_t u, v;
+
+	if (len > 16)
+		return memcmp(a, b, len) == 0;
+	if (len >= 8) {
+		memcpy(&x, a, 8);
+		memcpy(&y, b, 8);
+		if (x != y)
+			return false;
+		memcpy(&x, a + len - 8, 8);
+		memcpy(&y, b + len - 8, 8);
+		return x == y;
+	}
+	if (len >= 4) {
+		memcpy(&u, a, 4);
+		memcpy(&v, b, 4);
+		if (u != v)
+			return false;
+		memcpy(&u, a + len - 4, 4);
+		memcpy(&v, b + len - 4, 4);
+		return u == v;
+	}
+	for (size_t i = 0; i < len; i++)
+		if (a[i] != b[i])
+			return false;
+	return true;
+}
+
+/* ------------------------------------------------------------------ */
+/* Slots: the reads the lock-free path and the locked one share */
+
+static inline struct kl__entry *
+slot_at(struct kl__entry *slots, unsigned i)
+{
+	return (struct kl__entry *)(void *)((char *)slots + i * SLOT_SIZE);
+}
+
+/* A slot's key is read without the lock while a stealer may write it, so
+ * both only ever access it as two words, atomically. */
+static inline uint64_t *
+slot_words(struct kl__entry *e)
+{
+	return (uint64_t *)(void *)e->key;
+}
+
+/* The two words a slot holds for a key of len < INLINE_KEY bytes: its
+ * bytes, a NUL and zeros. */
+static inline void
+key_words(const char *key, size_t len, uint64_t w[2])
+{
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	/* Overlapping loads of the key alone, shifted into place. */
+	if (len >= 8) {
+		w[0] = kl__load_le64(key);
+		w[1] = len > 8 ? kl__load_le64(key + len - 8) >> (8 * (16 - len))
+			       : 0;
+	} else if (len >= 4) {
+		w[0] = (uint64_t)kl__load_le32(key) |
+		       (uint64_t)kl__load_le32(key + len - 4) << (8 * (len - 4));
+		w[1] = 0;
+	} else {
+		w[0] = 0;
+		for (size_t i = 0; i < len; i++)
+			w[0] |= (uint64_t)(unsigned char)key[i] << (8 * i);
+		w[1] = 0;
+	}
+#else
+	char b[INLINE_KEY] = { 0 };
+
+	memcpy(b, key, len);
+	memcpy(w, b, sizeof b);
+#endif
+}
+
+/* Whether slot e holds the key of hash h, len bytes and words w.  Its
+ * fields may change as they are read (see slot_take and slot_claim). */
+static inline bool
+slot_has(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2])
+{
+	uint64_t *k = slot_words(e);
+
+	return __atomic_load_n(&e->hash, __ATOMIC_RELAXED) == h &&
+	       __atomic_load_n(&e->len, __ATOMIC_RELAXED) == len &&
+	       __atomic_load_n(&k[0], __ATOMIC_RELAXED) == w[0] &&
+	       __atomic_load_n(&k[1], __ATOMIC_RELAXED) == w[1];
+}
+
+/* The word of slot e once no stealer is writing it (E_BUSY clear), with
+ * acquire order.  Lock held; a stealer never takes it, so waiting with it
+ * held cannot deadlock.  Not the waiter's outcome (waitq.c,
+ * outcome_published): this waits out a lock-free writer of a slot. */
+static inline uint64_t
+slot_wait_unbusy(struct kl__entry *e)
+{
+	uint64_t st;
+
+	while ((st = state_of(e, memory_order_acquire)) & E_BUSY)
+		sched_yield();
+	return st;
+}
+
+/* Reads slot e, lock held: 1 when it holds the key of hash h, len bytes
+ * and words w, 0 when it holds another key or none, with *st its word
+ * then; -1 when a stealer wrote it as it was read (look again).  With the
+ * lock held and E_CHAIN set, a slot's key stays as read: only a take or a
+ * release of that key can change the word. */
+static inline int
+slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
+	  uint64_t *st)
+{
+	bool has;
+
+	*st = slot_wait_unbusy(e);
+	has = (*st & E_USED) && slot_has(e, h, len, w);
+	/* Pairs with the stealer's fence: words it wrote mean a new word. */
+	atomic_thread_fence(memory_order_acquire);
+	if (state_of(e, memory_order_relaxed) != *st)
+		return -1;
+	/* The acquire in slot_wait_unbusy: a key given back by CAS and then
+	 * taken under the lock in a chain (its slot taken over meanwhile)
+	 * must see what its last holder wrote, and the slot's word is the only
+	 * thing between them. */
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	return has;
+}
+
+/* ------------------------------------------------------------------ */
+/* Chains (table.c) */
+
+/* The chained entry of key, or NULL; *chain gets the length of its
+ * bucket.  Lock held. */
+static inline struct kl__entry *
+find(struct shard *s, uint32_t h, const char *key, size_t len, size_t *chain)
+{
+	struct kl__entry *e;
+	size_t n = 0;
+
+	s->lookups++;
+	*chain = 0;
+	if (s->buckets == NULL)
+		return NULL;
+	for (e = s->buckets[bucket_of(s, h, key, len)]; e != NULL;
+	     e = e->next) {
+		n++;
+		if (e->hash == h && e->len == len &&
+		    same_bytes(e->key, key, len))
+			break;
+	}
+	s->probes += n;
+	*chain = n;
+	return e;
+}
+
+/* Readies the bucket array of s for one more chained entry, whose bucket
+ * holds chain entries (find): grows it, or makes the shard index its
+ * buckets by SipHash.  KL_OK, or KL_ENOMEM when s had no array and none
+ * could be made.  Lock held.  chain_room calls it only when there is
+ * something to do. */
+KL_HIDDEN int kl__chain_grow(struct shard *s, size_t chain);
+/* Halves the bucket array of s while it is a quarter full, down to
+ * MIN_BUCKETS.  Lock held. */
+KL_HIDDEN void kl__chain_shrink(struct shard *s);
+
+static inline int
+chain_room(struct shard *s, size_t chain)
+{
+	if (s->buckets != NULL && s->count < s->mask + 1 &&
+	    (s->strong || chain < CHAIN_LIMIT))
+		return KL_OK;
+	return kl__chain_grow(s, chain);
+}
+#endif /* KL__TABLE_PRIVATE */
 
 #endif /* KL_TABLE_H */

@@ -367,8 +367,11 @@ expiry_status(const struct kl__waiter *w, int64_t now)
 						     : KL_ETIMEDOUT;
 }
 
+/* Whether w's outcome is published: a granter (kl__waiter_settle), a
+ * failer or w's own timeout set its state and status under the lock, then
+ * stored W_SETTLED.  The acquire makes them readable without the lock. */
 static bool
-settled(struct kl__waiter *w)
+outcome_published(struct kl__waiter *w)
 {
 	return atomic_load_explicit(&w->word, memory_order_acquire) ==
 	       W_SETTLED;
@@ -421,7 +424,7 @@ spin(struct kl__waiter *w)
 
 	for (;;) {
 		for (int i = 0; i < 64; i++) {
-			if (settled(w))
+			if (outcome_published(w))
 				return;
 			cpu_relax();
 		}
@@ -483,7 +486,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			sched_yield();
 		spin(w);
 	}
-	while (!settled(w)) {
+	while (!outcome_published(w)) {
 		if (atomic_compare_exchange_strong_explicit(
 			    &w->word, &awake, W_PARKED, memory_order_acquire,
 			    memory_order_acquire) ||
@@ -504,7 +507,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			spin(w);
 		}
 		awake = W_AWAKE;
-		if (settled(w) || w->expire_ns == KL_NO_DEADLINE)
+		if (outcome_published(w) || w->expire_ns == KL_NO_DEADLINE)
 			continue;
 		/* Never early: trust the clock, not the wake-up. */
 		int64_t now = kl__now_ns();
@@ -528,6 +531,9 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	}
 	KL_ANNOTATE_HAPPENS_AFTER(&w->word);
 	pthread_setcancelstate(oldstate, NULL);
+	/* Read without the lock: whoever published the outcome had made
+	 * state and status final first. */
+	KL_ASSERT(w->state == KL_W_GRANTED || w->state == KL_W_DONE);
 	return w->state == KL_W_GRANTED ? KL_OK : w->status;
 }
 

@@ -1445,6 +1445,38 @@ START_TEST(test_invariants_broken_detected)
 }
 END_TEST
 
+/* The slot protocol's key invariant, asserted where the mark is set: the
+ * chain mark goes on held slots only (the stealer's unlocked floor read in
+ * slot_claim relies on it).  Marking an idle slot must fire the assertion;
+ * marking a held one, as take_locked does, must not. */
+START_TEST(test_chain_mark_on_idle_slot_asserts)
+{
+	struct kl__table *t;
+	struct kl__entry *e;
+	uint64_t fence;
+
+	ck_assert_int_eq(kl__table_new(&t), KL_OK);
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, KL_NO_DEADLINE, NULL, 0,
+					   &e, &fence),
+			 KL_OK);
+	kl__table_release(t, e); /* "k" stays in its slot, idle */
+	kl__test_assert_record(true);
+	ck_assert(!kl__table_mark_slot(t, "k", 1));
+	ck_assert_int_eq(kl__test_assert_record(false), 1);
+
+	ck_assert_int_eq(kl__table_acquire(t, "k", 1, KL_NO_DEADLINE, NULL, 0,
+					   &e, &fence),
+			 KL_OK);
+	kl__test_assert_record(true);
+	ck_assert(kl__table_mark_slot(t, "k", 1));
+	ck_assert_int_eq(kl__test_assert_record(false), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_release(t, e);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 
 static Suite *
@@ -1506,6 +1538,7 @@ table_suite(void)
 	tc = tcase_create("invariants");
 	tcase_add_test(tc, test_invariants_hold);
 	tcase_add_test(tc, test_invariants_broken_detected);
+	tcase_add_test(tc, test_chain_mark_on_idle_slot_asserts);
 	suite_add_tcase(s, tc);
 
 	return s;

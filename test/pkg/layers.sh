@@ -40,6 +40,8 @@ mutex.c 3
 reset_event.c 3
 hash.c 4
 table.c 4
+table_acquire.c 4
+table_check.c 4
 table.h 4
 registry.c 5
 provider.c 6

@@ -1,0 +1,633 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Taking a key of the table and giving it back: the lock-free path of the
+ * slots, the locked path, and the wait queues.
+ *
+ * The shard mutex is also the lock of every wait queue in the shard: an
+ * entry's hand-off and its removal are decided under one lock.
+ *
+ * Slots.  Most keys are short, and most acquires take a key nobody holds.
+ * So each shard also has SLOTS slot entries, made with the shard's first
+ * short key and never freed while the table lives, and a key of up to 15
+ * bytes lives in the slot its hash picks (kl__table_slot_of) unless another
+ * key holds that slot.  A slot keeps its key after release ("idle"), and
+ * taking the key again, or giving it back, is one compare-and-swap on the
+ * slot's state word, without the shard lock: the memory a lock-free reader
+ * looks at is never freed, and the word says whether what it read still
+ * holds.  A key
+ * whose slot is held by another key, and every longer key, gets an entry in
+ * the shard's bucket chains ("chained"), made on first use and freed when
+ * the last holder leaves with nobody waiting, all under the lock.
+ *
+ * A key has one entry at most, in its slot or in a chain, never both:
+ * - only the lock's holder puts a key in a chain, after it found the key in
+ *   neither place and marked the slot E_CHAIN;
+ * - a slot marked E_CHAIN (some chained key has its index) is given a new
+ *   key only under the lock, after the chains were searched for it;
+ * - the mark goes when the last chained key of its index does;
+ * - the mark is only ever set on a held slot (slot_mark_chained).  So a
+ *   stealer that read a slot neither held nor marked and then swaps its
+ *   word knows that no chained key came and went meanwhile, and the floor
+ *   it read without the lock is still the floor (slot_claim).  The test
+ *   build asserts both where they are relied on.
+ *
+ * The state word of an entry: E_* flags and, from FENCE_SHIFT up, the fence
+ * of its latest grant.  Every grant adds one to the fence, and a slot given
+ * to a new key keeps counting, so a slot's fence only grows; a chained short
+ * key starts above its slot's fence and its floor, and raises the floor to
+ * its last fence when it goes; a new key of the slot starts above both.  So
+ * a key's fences grow across all the entries it ever has.  (Long keys use
+ * the shard's counter as the floor.)
+ *
+ * Lock-free, a slot moves: idle -> held (its key taken again), idle or
+ * empty without E_CHAIN -> busy -> held (a new key written in: "stolen"),
+ * held without E_WAITERS -> idle (given back).  Everything else changes a
+ * slot under the lock, by compare-and-swap against the word it validated
+ * (so that a decision made on a key read from a slot is void if the slot
+ * changed meanwhile: the fence changes with every move), or by a store
+ * where only the lock's holder can change the word: a held slot with
+ * E_WAITERS, released by its holder.  A waiter sets
+ * E_WAITERS before it queues, and a marked slot is given back only under
+ * the lock, which hands it over in FIFO order.  A reader that finds a slot
+ * busy waits for the stealer to finish (a few instructions, unless it was
+ * preempted).  Waiters queue only on a held key.  A waiter that times out
+ * or is cancelled only unlinks itself; the key is still held then, so it
+ * never has to free anything.
+ */
+#include "config.h"
+
+#define KL__TABLE_PRIVATE
+#include "table.h"
+
+/* Gives the caller slot e, which it found idle in state st holding the
+ * caller's key.  False when the word changed meanwhile.  The acquire pairs
+ * with the release that left the slot idle. */
+static inline bool
+slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
+	  uint64_t *fence)
+{
+	uint64_t held = (st + FENCE_ONE) | E_HELD;
+
+	KL_ASSERT((st & (E_SLOT | E_USED | E_HELD | E_BUSY)) ==
+		  (E_SLOT | E_USED));
+	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, held,
+						     memory_order_acquire,
+						     memory_order_relaxed))
+		return false;
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
+			      memory_order_relaxed);
+	e->lock = NULL;
+	*out = e;
+	*fence = fence_of(held);
+	return true;
+}
+
+/* Writes the caller's key into slot e, found in state st neither held nor
+ * busy, and gives it the slot, held.  False when the word changed
+ * meanwhile.  Without the lock, st must not have E_CHAIN; with it, the
+ * caller searched the chains for the key. */
+static bool
+slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
+	   size_t len, const uint64_t w[2], struct kl__entry **out,
+	   uint64_t *fence)
+{
+	uint64_t f = fence_of(st), *k = slot_words(e), busy;
+	unsigned i = kl__table_slot_of(h);
+	/* Read after st, which came with acquire order: a floor raised
+	 * before the mark that kept stealers off went is seen.  Without the
+	 * lock, the floor cannot rise between this read and a successful
+	 * compare-and-swap below: it rises only while the slot is marked
+	 * E_CHAIN, and the mark is only ever set on a held word (see
+	 * slot_mark_chained), so a mark set and gone after st was read
+	 * means the word changed and the swap fails. */
+	uint64_t lo = __atomic_load_n(&s->floor[i], __ATOMIC_RELAXED);
+
+	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
+	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
+	       E_SLOT | E_USED | E_HELD | E_BUSY;
+
+	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, busy,
+						     memory_order_acquire,
+						     memory_order_relaxed))
+		return false;
+	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
+	/* Busy now, so nobody marks the slot until the key is written: the
+	 * floor read above is still the floor the new fence must pass. */
+	KL_ASSERT(__atomic_load_n(&s->floor[i], __ATOMIC_RELAXED) == lo);
+	/* A reader that sees any of the words below sees E_BUSY too (the
+	 * fence pairs with the one in fast_acquire), so its own
+	 * compare-and-swap against the old word fails. */
+	atomic_thread_fence(memory_order_release);
+	__atomic_store_n(&e->hash, h, __ATOMIC_RELAXED);
+	__atomic_store_n(&e->len, (uint32_t)len, __ATOMIC_RELAXED);
+	__atomic_store_n(&k[0], w[0], __ATOMIC_RELAXED);
+	__atomic_store_n(&k[1], w[1], __ATOMIC_RELAXED);
+	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
+			      memory_order_relaxed);
+	e->lock = NULL;
+	KL_YIELD("slot busy");
+	/* Nobody else changes a busy word. */
+	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,
+			      memory_order_release);
+	*out = e;
+	*fence = fence_of(busy);
+	return true;
+}
+
+/* The slots of s, made if need be (lock held).  NULL when out of
+ * memory. */
+static struct kl__entry *
+slots_of(struct shard *s)
+{
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_relaxed);
+
+	if (slots != NULL)
+		return slots;
+	if ((slots = kl__calloc(SLOTS, SLOT_SIZE)) == NULL)
+		return NULL;
+	for (unsigned i = 0; i < SLOTS; i++) {
+		struct kl__entry *e = slot_at(slots, i);
+
+		kl__waitq_init(&e->q, &s->lock);
+		atomic_init(&e->state, E_SLOT);
+		atomic_init(&e->owner_tid, 0);
+		KL_ANNOTATE_ATOMIC(&e->state);
+		KL_ANNOTATE_ATOMIC(&e->owner_tid);
+		KL_ANNOTATE_ATOMIC(&e->hash);
+		KL_ANNOTATE_ATOMIC(&e->len);
+		KL_ANNOTATE_ATOMIC(&slot_words(e)[0]);
+		KL_ANNOTATE_ATOMIC(&slot_words(e)[1]);
+		/* The first taker, maybe lock-free, sees the slot made. */
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	}
+	/* Release: a lock-free reader sees the slots made. */
+	atomic_store_explicit(&s->slots, slots, memory_order_release);
+	return slots;
+}
+
+/* Takes a short key that sits idle in its slot, or that can have its slot
+ * (idle or empty, no chained key of its index), without the lock.  False
+ * when that does not do: the caller takes the lock. */
+static inline __attribute__((always_inline)) bool
+fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
+	     struct kl__entry **out, uint64_t *fence)
+{
+	struct kl__entry *slots =
+		atomic_load_explicit(&s->slots, memory_order_acquire);
+	struct kl__entry *e;
+	uint64_t st, w[2];
+	bool mine;
+
+	if (slots == NULL)
+		return false;
+	e = slot_at(slots, kl__table_slot_of(h));
+	st = state_of(e, memory_order_acquire);
+	if (st & (E_HELD | E_BUSY))
+		return false;
+	key_words(key, len, w);
+	mine = (st & E_USED) && slot_has(e, h, len, w);
+	/* Pairs with the stealer's fence (slot_claim): if the key read above
+	 * was being replaced, the compare-and-swap below fails. */
+	atomic_thread_fence(memory_order_acquire);
+	if (mine)
+		return slot_take(e, st, out, fence);
+	if (st & E_CHAIN)
+		return false;
+	/* Unmarked: no chained key has this slot's index, so the key can
+	 * be in the slot only, and the slot's floor is read unlocked. */
+	return slot_claim(s, e, st, h, len, w, out, fence);
+}
+
+/* ------------------------------------------------------------------ */
+/* Chained entries */
+
+/* Links a new chained entry for key, held by the caller with fence; chain
+ * is the length of its bucket.  Lock held. */
+static int
+insert(struct shard *s, uint32_t h, const char *key, size_t len,
+       size_t chain, uint64_t fence, struct kl__entry **out)
+{
+	struct kl__entry *e;
+	size_t b;
+	int rc;
+
+	if ((rc = chain_room(s, chain)) != KL_OK)
+		return rc;
+	if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
+	    (e = kl__malloc(sizeof *e + (len < INLINE_KEY ? INLINE_KEY
+							  : len + 1))) == NULL)
+		return KL_ENOMEM;
+	e->hash = h;
+	e->len = (uint32_t)len;
+	kl__waitq_init(&e->q, &s->lock);
+	atomic_init(&e->state, (fence << FENCE_SHIFT) | E_HELD);
+	atomic_init(&e->owner_tid, kl__thread_id());
+	KL_ANNOTATE_ATOMIC(&e->state);
+	KL_ANNOTATE_ATOMIC(&e->owner_tid);
+	e->lock = NULL;
+	memcpy(e->key, key, len);
+	e->key[len] = '\0';
+	b = bucket_of(s, h, key, len);
+	e->next = s->buckets[b];
+	s->buckets[b] = e;
+	s->count++;
+	*out = e;
+	return KL_OK;
+}
+
+static void
+unlink_entry(struct shard *s, struct kl__entry *e)
+{
+	struct kl__entry **pp =
+		&s->buckets[bucket_of(s, e->hash, e->key, e->len)];
+
+	while (*pp != e)
+		pp = &(*pp)->next;
+	*pp = e->next;
+	s->count--;
+	if (s->mask + 1 > MIN_BUCKETS && s->count < (s->mask + 1) / 4)
+		kl__chain_shrink(s);
+}
+
+/* A chained short key of slot index i is gone with fence f: the floor of
+ * the slot rises to it, and the slot loses its mark with the last such
+ * key.  Lock held; the slot cannot be busy (it is marked), but its key
+ * may be taken or given back meanwhile. */
+static void
+slot_unchain(struct shard *s, unsigned i, uint64_t f)
+{
+	struct kl__entry *e = slot_at(
+		atomic_load_explicit(&s->slots, memory_order_relaxed), i);
+	uint64_t st;
+
+	if (s->floor[i] < f)
+		__atomic_store_n(&s->floor[i], f, __ATOMIC_RELAXED);
+	if (--s->nchain[i] != 0)
+		return;
+	/* Release: a stealer that sees the mark gone sees the floor, and
+	 * what the chained key's last holder (maybe this thread) wrote
+	 * before it gave the key back under the lock, for the stealer may
+	 * take that key without the lock. */
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	st = state_of(e, memory_order_relaxed);
+	/* A stealer never takes a marked slot, and the lock keeps the
+	 * other writers of its key off: the swap below only races with
+	 * takes and releases of the key the slot holds. */
+	KL_ASSERT((st & (E_CHAIN | E_BUSY)) == E_CHAIN);
+	while (!atomic_compare_exchange_weak_explicit(
+		&e->state, &st, st & ~(uint64_t)E_CHAIN, memory_order_release,
+		memory_order_relaxed))
+		;
+}
+
+/* Unlinks chained entry e, released with fence f and nobody waiting, and
+ * passes its fence on (see the top).  Lock held. */
+static void
+unchain(struct shard *s, struct kl__entry *e, uint64_t f)
+{
+	unlink_entry(s, e);
+	if (e->len < INLINE_KEY)
+		slot_unchain(s, kl__table_slot_of(e->hash), f);
+	else if (s->fence < f)
+		s->fence = f;
+}
+
+/* ------------------------------------------------------------------ */
+/* Acquire and release */
+
+/* Marks slot e, read held by another key in word *st, E_CHAIN: a chained
+ * key of its index may come.  False when the word changed meanwhile (*st
+ * gets it).  Lock held.
+ *
+ * The mark is only ever set on a held word.  This is what makes the
+ * stealer's floor read in slot_claim safe without the lock: a stealer
+ * that read the slot idle or empty and unmarked can only succeed if the
+ * word never changed since, so no mark came and went, so the floor did
+ * not rise.  A mark set on an idle word would let a chained key come and
+ * go (raising the floor) without the stealer's swap failing. */
+static bool
+slot_mark_chained(struct kl__entry *e, uint64_t *st)
+{
+	KL_ASSERT((*st & (E_HELD | E_BUSY)) == E_HELD);
+	if (*st & E_CHAIN)
+		return true;
+	return atomic_compare_exchange_strong_explicit(
+		&e->state, st, *st | E_CHAIN, memory_order_relaxed,
+		memory_order_relaxed);
+}
+
+/* take_locked's outcome when another holds the key. */
+#define KEY_HELD 1
+
+/* Takes key for the caller if nobody holds it: KL_OK with *out and *fence;
+ * KEY_HELD with *out the entry that is held and *st its word then;
+ * KL_ENOMEM.  Lock held. */
+static int
+take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
+	    struct kl__entry **out, uint64_t *st, uint64_t *fence)
+{
+	struct kl__entry *slots, *e, *c;
+	uint64_t w[2], f;
+	unsigned i = kl__table_slot_of(h);
+	size_t chain;
+	int rc, has;
+
+	if (len >= INLINE_KEY) {
+		if ((c = find(s, h, key, len, &chain)) != NULL) {
+			*out = c;
+			*st = state_of(c, memory_order_relaxed);
+			return KEY_HELD;
+		}
+		rc = insert(s, h, key, len, chain, s->fence + 1, out);
+		if (rc == KL_OK)
+			*fence = ++s->fence;
+		return rc;
+	}
+	if ((slots = slots_of(s)) == NULL)
+		return KL_ENOMEM;
+	e = slot_at(slots, i);
+	key_words(key, len, w);
+	for (;;) {
+		if ((has = slot_read(e, h, len, w, st)) < 0)
+			continue;
+		if (has) {
+			if (*st & E_HELD) {
+				*out = e;
+				return KEY_HELD;
+			}
+			if (slot_take(e, *st, out, fence))
+				return KL_OK;
+			continue; /* taken or stolen meanwhile */
+		}
+		if ((c = find(s, h, key, len, &chain)) != NULL) {
+			*out = c;
+			*st = state_of(c, memory_order_relaxed);
+			return KEY_HELD;
+		}
+		if (!(*st & E_HELD)) {
+			/* The chains were searched: E_CHAIN does not stop
+			 * the lock's holder. */
+			if (slot_claim(s, e, *st, h, len, w, out, fence))
+				return KL_OK;
+			continue;
+		}
+		/* Another key holds the slot: the key goes in a chain, and
+		 * the mark keeps stealers off the slot meanwhile. */
+		if (slot_mark_chained(e, st))
+			break;
+	}
+	/* Above every fence the key had: in the slot (its fences never
+	 * pass the slot's) or chained before (the floor). */
+	f = fence_of(*st) > s->floor[i] ? fence_of(*st) : s->floor[i];
+	rc = insert(s, h, key, len, chain, f + 1, &c);
+	s->nchain[i]++;
+	if (rc == KL_OK) {
+		*out = c;
+		*fence = f + 1;
+	} else {
+		slot_unchain(s, i, 0); /* drops the mark if it was the only */
+	}
+	return rc;
+}
+
+/* Marks e, found held in word st, as waited for, so that its holder
+ * releases through the lock.  False when the word changed meanwhile (the
+ * key may be free now, or e another key's): look again.  Lock held. */
+static bool
+mark_waiting(struct kl__entry *e, uint64_t st)
+{
+	uint64_t want = st | E_WAITERS;
+
+	if (atomic_compare_exchange_strong_explicit(&e->state, &st, want,
+						    memory_order_relaxed,
+						    memory_order_relaxed))
+		return true;
+	return st == want; /* another waiter marked it: the same holder */
+}
+
+/* Whether a caller that finds e held must fail rather than wait: KL_EDEADLK,
+ * KL_ETIMEDOUT, or KL_OK to wait.  Lock held. */
+static int
+refusal(struct kl__entry *e, int64_t deadline_ns, unsigned flags)
+{
+	if ((flags & KL_ERRORCHECK) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) ==
+		    kl__thread_id())
+		return KL_EDEADLK;
+	if (deadline_ns != KL_NO_DEADLINE && kl__now_ns() >= deadline_ns)
+		return KL_ETIMEDOUT;
+	return KL_OK;
+}
+
+/* Takes key, or waits for it as w (prepared).  Lock held on entry,
+ * released on return. */
+static int
+take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
+	     struct kl__waiter *w, int64_t deadline_ns, unsigned flags,
+	     struct kl__entry **out, uint64_t *fence)
+{
+	struct kl__entry *e = NULL;
+	uint64_t st = 0;
+	int rc;
+
+	for (;;) {
+		rc = take_locked(s, h, key, len, &e, &st, fence);
+		if (rc != KEY_HELD) {
+			if (rc == KL_OK)
+				*out = e;
+			break;
+		}
+		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
+			break;
+		if (mark_waiting(e, st)) {
+			/* Waiters queue only on a held key, marked, so its
+			 * holder releases through the lock and hands over. */
+			KL_ASSERT(st & E_HELD);
+			rc = kl__waitq_wait(&e->q, w, deadline_ns,
+					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
+			if (rc == KL_OK) {
+				*out = e;
+				*fence = w->data;
+			}
+			return rc;
+		}
+	}
+	pthread_mutex_unlock(&s->lock);
+	return rc;
+}
+
+/* kl__table_acquire of a held key without a cancel token.  Lock held on
+ * entry, released on return.  Out of line: the waiter would make the
+ * frame of every acquire big. */
+static __attribute__((noinline)) int
+acquire_held(struct shard *s, uint32_t h, const char *key, size_t len,
+	     int64_t deadline_ns, unsigned flags, struct kl__entry **out,
+	     uint64_t *fence)
+{
+	struct kl__waiter w;
+	int rc;
+
+	kl__waiter_prepare(&w, &s->lock, NULL);
+	rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out, fence);
+	kl__waiter_finish(&w);
+	return rc;
+}
+
+/* kl__table_acquire with a cancel token. */
+static __attribute__((noinline)) int
+acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
+		    int64_t deadline_ns, kl_cancel *c, unsigned flags,
+		    struct kl__entry **out, uint64_t *fence)
+{
+	struct kl__waiter w;
+	int rc;
+
+	/* The token's lock comes before the shard's. */
+	if ((rc = kl__waiter_prepare(&w, &s->lock, c)) != KL_OK)
+		return rc;
+	pthread_mutex_lock(&s->lock);
+	if (w.state == KL_W_DONE) {
+		/* A fire between registering and here settled the waiter
+		 * already: once kl_cancel_fire has returned, nothing may be
+		 * granted to it. */
+		rc = w.status;
+		pthread_mutex_unlock(&s->lock);
+	} else {
+		rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out,
+				  fence);
+	}
+	kl__waiter_finish(&w);
+	return rc;
+}
+
+int
+kl__table_acquire(struct kl__table *t, const char *key, size_t len,
+		  int64_t deadline_ns, kl_cancel *c, unsigned flags,
+		  struct kl__entry **out, uint64_t *fence)
+{
+	uint32_t h = hash_of(t, key, len);
+	struct shard *s = shard_of(t, h);
+	struct kl__entry *e;
+	uint64_t st;
+	int rc;
+
+	*out = NULL;
+	*fence = 0;
+	if (c != NULL)
+		return acquire_cancellable(s, h, key, len, deadline_ns, c,
+					   flags, out, fence);
+	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
+		return KL_OK;
+	pthread_mutex_lock(&s->lock);
+	rc = take_locked(s, h, key, len, &e, &st, fence);
+	if (rc == KEY_HELD)
+		return acquire_held(s, h, key, len, deadline_ns, flags, out,
+				    fence);
+	pthread_mutex_unlock(&s->lock);
+	if (rc == KL_OK)
+		*out = e;
+	return rc;
+}
+
+/* kl__table_release when the compare-and-swap cannot do: waiters marked,
+ * or a chained entry. */
+static __attribute__((noinline)) void
+release_locked(struct shard *s, struct kl__entry *e)
+{
+	struct kl__waiter *w;
+	void *wake = NULL, *prod = NULL;
+	uint64_t st, f;
+
+	pthread_mutex_lock(&s->lock);
+	/* Only this lock's holder changes a held word now (a lock-free
+	 * taker needs it free, and the caller is the holder), so plain
+	 * stores do. */
+	st = state_of(e, memory_order_relaxed);
+	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
+	f = fence_of(st);
+	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
+		atomic_store_explicit(&e->owner_tid, w->tid,
+				      memory_order_relaxed);
+		w->data = f + 1;
+		atomic_store_explicit(
+			&e->state,
+			((f + 1) << FENCE_SHIFT) |
+				(st & (E_SLOT | E_USED | E_CHAIN)) | E_HELD |
+				(e->q.len != 0 ? E_WAITERS : 0),
+			memory_order_relaxed);
+		wake = kl__waiter_settle(w);
+		prod = kl__waitq_prod(&e->q);
+		e = NULL;
+	} else if (st & E_SLOT) {
+		/* Waiters came and went: idle, as after a CAS release. */
+		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		atomic_store_explicit(&e->state,
+				      st & ~(uint64_t)(E_HELD | E_WAITERS),
+				      memory_order_release);
+		e = NULL;
+	} else {
+		unchain(s, e, f);
+	}
+	pthread_mutex_unlock(&s->lock);
+	KL_YIELD("free");
+	kl__unpark(wake);
+	kl__unpark(prod);
+	kl__free(e);
+}
+
+void
+kl__table_release(struct kl__table *t, struct kl__entry *e)
+{
+	uint64_t st = state_of(e, memory_order_relaxed);
+
+	/* Before a slot is free: a caller with KL_ERRORCHECK that meets its
+	 * next holder (who writes its id after taking it) must never see
+	 * this thread's id there.  A chained entry's id only changes under
+	 * the lock. */
+	if (st & E_SLOT)
+		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	/* Release order: the next holder, which takes the word with an
+	 * acquire, sees what this one wrote.  After it, the slot may be
+	 * taken or stolen at once.  A failure means a mark came meanwhile
+	 * (E_CHAIN or E_WAITERS): look again. */
+	while ((st & (E_SLOT | E_WAITERS)) == E_SLOT)
+		if (atomic_compare_exchange_weak_explicit(
+			    &e->state, &st, st & ~(uint64_t)E_HELD,
+			    memory_order_release, memory_order_relaxed))
+			return;
+	release_locked(shard_of(t, __atomic_load_n(&e->hash,
+						   __ATOMIC_RELAXED)),
+		       e);
+}
+
+#ifdef KL_TEST_HOOKS
+bool
+kl__table_mark_slot(struct kl__table *t, const char *key, size_t len)
+{
+	uint32_t h = hash_of(t, key, len);
+	struct shard *s = shard_of(t, h);
+	struct kl__entry *slots, *e;
+	uint64_t st = 0;
+
+	pthread_mutex_lock(&s->lock);
+	slots = atomic_load_explicit(&s->slots, memory_order_relaxed);
+	if (len < INLINE_KEY && slots != NULL) {
+		e = slot_at(slots, kl__table_slot_of(h));
+		st = slot_wait_unbusy(e);
+		/* A mark that was there already is not this call's to take
+		 * off. */
+		if (!(st & E_CHAIN) && s->nchain[kl__table_slot_of(h)] == 0) {
+			while (!slot_mark_chained(e, &st))
+				;
+			atomic_fetch_and_explicit(&e->state,
+						  ~(uint64_t)E_CHAIN,
+						  memory_order_relaxed);
+		}
+	}
+	pthread_mutex_unlock(&s->lock);
+	return (st & E_HELD) != 0;
+}
+#endif
