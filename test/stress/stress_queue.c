@@ -663,6 +663,16 @@ t17b_job(struct st_crew *c, int i)
 	atomic_store(&x->rc[i], rc);
 }
 
+static int64_t
+thread_cpu_ns(void)
+{
+	struct timespec ts;
+
+	st_assert(clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0,
+		  "CLOCK_THREAD_CPUTIME_ID");
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
 START_TEST(test_t17_set_opts_lowering)
 {
 	static struct t17b x;
@@ -670,7 +680,7 @@ START_TEST(test_t17_set_opts_lowering)
 	kl_queue_opts o = KL_QUEUE_OPTS_INIT;
 	int n = (int)st_scaled(1000, 1, 100);
 	kl_token held;
-	int64_t t0, t_set, t_all;
+	int64_t t0, c0, t_set, t_cpu, t_all;
 
 	st_begin("T17b set_opts lowering max_queue to 10");
 	memset(&x, 0, sizeof x);
@@ -692,8 +702,13 @@ START_TEST(test_t17_set_opts_lowering)
 	st_assert(st_poll_queue(x.m, (size_t)n, 30000 * st_slow()),
 		  "%zu of %d queued", kl_mutex_queue_size(x.m), n);
 	o.max_queue = T17B_KEEP;
+	/* The bound below is on this thread's CPU time: on a loaded machine
+	 * the wall time of evicting hundreds of waiters (each a wake-up)
+	 * is mostly time spent preempted, which says nothing of set_opts. */
 	t0 = now_ns();
+	c0 = thread_cpu_ns();
 	st_assert(kl_mutex_set_opts(x.m, &o) == KL_OK, "set_opts");
+	t_cpu = thread_cpu_ns() - c0;
 	t_set = now_ns() - t0;
 	st_assert(kl_mutex_queue_size(x.m) == T17B_KEEP,
 		  "queue %zu right after set_opts", kl_mutex_queue_size(x.m));
@@ -712,12 +727,12 @@ START_TEST(test_t17_set_opts_lowering)
 			  "waiter %d: %s", i,
 			  kl_strerror(atomic_load(&x.rc[i])));
 	st_crew_stop(&crew);
-	st_note("%d waiters: set_opts evicted %d in %.3f ms; all of them had "
-		"returned after %.3f ms",
-		n, n - T17B_KEEP, (double)t_set / ST_MS,
+	st_note("%d waiters: set_opts evicted %d in %.3f ms (%.3f ms of CPU); "
+		"all of them had returned after %.3f ms",
+		n, n - T17B_KEEP, (double)t_set / ST_MS, (double)t_cpu / ST_MS,
 		(double)t_all / ST_MS);
-	st_assert(t_set <= 50 * ST_MS * st_slow(), "set_opts took %.3f ms",
-		  (double)t_set / ST_MS);
+	st_assert(t_cpu <= 50 * ST_MS * st_slow(),
+		  "set_opts took %.3f ms of CPU", (double)t_cpu / ST_MS);
 	kl_mutex_free(x.m);
 	free(x.rc);
 }
