@@ -54,8 +54,13 @@ struct lease_set {
 	kl_lock *word;
 	size_t n;
 	size_t taken;
+	bool heap; /* allocated, else in kl_lock_run_many's frame */
 	struct kl_lease held[];
 };
+
+/* Sets of up to this many keys given to kl_lock_run_many live on its stack:
+ * the common pairs and triples allocate nothing. */
+#define SET_ON_STACK 4
 
 #define KNOWN_FLAGS KL_ERRORCHECK
 
@@ -377,18 +382,82 @@ timeout_left(int64_t deadline_ns)
 static void
 release_set(struct lease_set *s)
 {
-	while (s->taken > 0)
-		release(&s->held[--s->taken]);
+	kl_lock *l = lease_lock((const kl_lease *)(void *)s);
+
+	while (s->taken > 0) {
+		struct kl_lease *h = &s->held[--s->taken];
+
+		if (in_entry(l))
+			kl__table_release(l->table, h->handle);
+		else
+			release(h);
+	}
+}
+
+/* Takes key h->key for a set before deadline_ns (the first key with the
+ * lock's own timeout): from the table itself when leases live in entries
+ * (no hook, so no event), else through the provider with the time left. */
+static int
+acquire_member(kl_lock *l, kl_cancel *cancel, bool first, int64_t deadline_ns,
+	       struct kl_lease *h, kl_error *err)
+{
+	struct kl__entry *e;
+	int rc;
+
+	h->lock = l;
+	h->lent = 0;
+	if (!in_entry(l))
+		return acquire(l, cancel,
+			       first ? l->timeout_ms : timeout_left(deadline_ns),
+			       h, err);
+	rc = kl__table_acquire(l->table, h->key, h->key_len, deadline_ns,
+			       cancel, l->flags, &e, &h->fence);
+	if (rc != KL_OK) {
+		rejected(l, h->key, h->key_len, rc, "", err);
+		return rc;
+	}
+	h->handle = e;
+	return KL_OK;
+}
+
+/* Sorts held[0..n-1] into the canonical order: by insertion for the small
+ * sets that are the rule (no call per comparison), else with qsort. */
+static void
+sort_keys(struct kl_lease *held, size_t n)
+{
+	if (n > 16) {
+		qsort(held, n, sizeof *held, key_cmp);
+		return;
+	}
+	for (size_t i = 1; i < n; i++) {
+		struct kl_lease x = held[i];
+		size_t j = i;
+
+		for (; j > 0 && key_cmp(&held[j - 1], &x) > 0; j--)
+			held[j] = held[j - 1];
+		held[j] = x;
+	}
+}
+
+/* Releases what set s holds and frees it when it was allocated. */
+static void
+end_set(struct lease_set *s)
+{
+	release_set(s);
+	if (s->heap)
+		kl__free(s);
 }
 
 /*
- * Validates keys[0..n-1], sorts and merges them into a new struct lease_set
- * (with a copy of the keys when copy is set) and takes them all.  On any
- * failure nothing is held, nothing is allocated and *out is NULL.
+ * Validates keys[0..n-1], sorts and merges them into a struct lease_set
+ * (in small, of small_size bytes, when it fits and copy is not set; else
+ * allocated, with a copy of the keys when copy is set) and takes them all.
+ * On any failure nothing is held, nothing stays allocated and *out is NULL.
  */
 static int
 acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
-	    bool copy, struct lease_set **out, kl_error *err)
+	    bool copy, void *small, size_t small_size, struct lease_set **out,
+	    kl_error *err)
 {
 	struct lease_set *s;
 	size_t i, m, bytes = 0, size;
@@ -426,8 +495,14 @@ acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
 	if (n > (SIZE_MAX - sizeof *s - bytes) / sizeof s->held[0])
 		goto nomem;
 	size = sizeof *s + n * sizeof s->held[0] + bytes;
-	if ((s = kl__malloc(size)) == NULL)
+	if (!copy && size <= small_size) {
+		s = small;
+		s->heap = false;
+	} else if ((s = kl__malloc(size)) != NULL) {
+		s->heap = true;
+	} else {
 		goto nomem;
+	}
 	buf = (char *)&s->held[n];
 	for (i = 0; i < n; i++) {
 		struct kl_lease *h = &s->held[i];
@@ -441,7 +516,7 @@ acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
 			h->key = keys[i];
 		}
 	}
-	qsort(s->held, n, sizeof s->held[0], key_cmp);
+	sort_keys(s->held, n);
 	for (i = 1, m = 1; i < n; i++)
 		if (key_cmp(&s->held[m - 1], &s->held[i]) != 0)
 			s->held[m++] = s->held[i];
@@ -450,18 +525,17 @@ acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
 	s->taken = 0;
 	deadline = kl__deadline(l->timeout_ms);
 	for (i = 0; i < m; i++) {
-		struct kl_lease *h = &s->held[i];
-
-		h->lent = 0;
-		rc = acquire(l, cancel,
-			     i == 0 ? l->timeout_ms : timeout_left(deadline), h,
-			     err);
+		rc = acquire_member(l, cancel, i == 0, deadline, &s->held[i],
+				    err);
 		if (rc != KL_OK) {
-			release_set(s);
-			kl__free(s);
+			end_set(s);
 			return rc;
 		}
 		s->taken = i + 1;
+	}
+	if (err != NULL) {
+		err->status = KL_OK;
+		err->message[0] = '\0';
 	}
 	*out = s;
 	return KL_OK;
@@ -479,7 +553,8 @@ nomem:
  */
 static inline __attribute__((always_inline)) int
 run(kl_lock *l, const kl_call *call, bool many, const char *const *keys,
-    size_t n, kl_lease_fn fn, void *arg, int *fn_result, kl_error *err)
+    size_t n, void *small, size_t small_size, kl_lease_fn fn, void *arg,
+    int *fn_result, kl_error *err)
 {
 	struct kl_lease stack;
 	struct lease_set *set = NULL;
@@ -494,7 +569,7 @@ run(kl_lock *l, const kl_call *call, bool many, const char *const *keys,
 	if (many) {
 		/* call carries the set's cancel token only. */
 		rc = acquire_set(l, keys, n, call != NULL ? call->cancel : NULL,
-				 false, &set, err);
+				 false, small, small_size, &set, err);
 		if (rc != KL_OK)
 			return rc;
 		set->word = (kl_lock *)((uintptr_t)set->word | LEASE_LENT);
@@ -521,8 +596,7 @@ run(kl_lock *l, const kl_call *call, bool many, const char *const *keys,
 		*fn_result = r;
 	if (many) {
 		misused = (lease_word(lease) & LEASE_RELEASED) != 0;
-		release_set(set);
-		kl__free(set);
+		end_set(set);
 	} else if (in_entry(l)) {
 		misused = (lease_word(lease) & LEASE_RELEASED) != 0;
 		kl__table_release(l->table, lease_entry(lease));
@@ -559,15 +633,15 @@ kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg), void *arg,
 {
 	struct plain_fn p = { .fn = fn, .arg = arg };
 
-	return run(l, call, false, NULL, 0, fn != NULL ? run_plain : NULL, &p,
-		   fn_result, err);
+	return run(l, call, false, NULL, 0, NULL, 0,
+		   fn != NULL ? run_plain : NULL, &p, fn_result, err);
 }
 
 int
 kl_lock_run_lease(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
 		  int *fn_result, kl_error *err)
 {
-	return run(l, call, false, NULL, 0, fn, arg, fn_result, err);
+	return run(l, call, false, NULL, 0, NULL, 0, fn, arg, fn_result, err);
 }
 
 int
@@ -576,8 +650,14 @@ kl_lock_run_many(kl_lock *l, const char *const *keys, size_t n,
 		 kl_error *err)
 {
 	kl_call call = { .key = NULL, .cancel = cancel };
+	union {
+		struct lease_set s;
+		char bytes[sizeof(struct lease_set) +
+			   SET_ON_STACK * sizeof(struct kl_lease)];
+	} small;
 
-	return run(l, &call, true, keys, n, fn, arg, fn_result, err);
+	return run(l, &call, true, keys, n, &small, sizeof small, fn, arg,
+		   fn_result, err);
 }
 
 int
@@ -593,7 +673,8 @@ kl_lock_acquire_many(kl_lock *l, const char *const *keys, size_t n,
 		kl__error_set(err, KL_EINVAL, "no lock or no lease pointer");
 		return KL_EINVAL;
 	}
-	if ((rc = acquire_set(l, keys, n, cancel, true, &s, err)) != KL_OK)
+	if ((rc = acquire_set(l, keys, n, cancel, true, NULL, 0, &s, err)) !=
+	    KL_OK)
 		return rc;
 	*out = (kl_lease *)(void *)s;
 	return KL_OK;
@@ -671,8 +752,7 @@ kl_lease_release(kl_lease *lease)
 	if (lent_release(lease, l))
 		return;
 	if (is_set(lease)) {
-		release_set(set_of(lease));
-		kl__free(lease);
+		end_set(set_of(lease));
 		return;
 	}
 	if (in_entry(l)) {
