@@ -492,7 +492,8 @@ acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
 			bytes += len;
 		}
 	}
-	if (n > (SIZE_MAX - sizeof *s - bytes) / sizeof s->held[0])
+	if (bytes > SIZE_MAX - sizeof *s ||
+	    n > (SIZE_MAX - sizeof *s - bytes) / sizeof s->held[0])
 		goto nomem;
 	size = sizeof *s + n * sizeof s->held[0] + bytes;
 	if (!copy && size <= small_size) {
