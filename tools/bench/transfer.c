@@ -20,6 +20,8 @@
  */
 #include "bench.h"
 
+#include <limits.h>
+
 #define ACCOUNT_START 1000
 #define TRANSFER_STUCK_NS (30 * INT64_C(1000000000))
 
@@ -177,6 +179,21 @@ tbank_total(const struct tbank *b)
 	return t;
 }
 
+/* A positive int option, or die. */
+static int
+int_arg(const char *name, const char *text)
+{
+	char *end;
+	long v;
+
+	errno = 0;
+	v = strtol(text, &end, 10);
+	if (errno != 0 || end == text || *end != '\0' || v < 1 ||
+	    v > INT_MAX)
+		die("transfer: invalid %s '%s'", name, text);
+	return (int)v;
+}
+
 static void
 transfer_usage(FILE *f)
 {
@@ -214,18 +231,18 @@ kl_bench_transfer_main(int argc, char **argv)
 	       -1) {
 		switch (c) {
 		case 't':
-			threads = atoi(optarg);
+			threads = int_arg("--threads", optarg);
 			break;
 		case 'a':
 			if (nsizes == 8)
 				die("at most 8 account counts");
-			sizes[nsizes++] = atoi(optarg);
+			sizes[nsizes++] = int_arg("--accounts", optarg);
 			break;
 		case 'd':
-			ms = atoi(optarg);
+			ms = int_arg("--duration", optarg);
 			break;
 		case 'r':
-			runs = atoi(optarg);
+			runs = int_arg("--runs", optarg);
 			break;
 		case 'h':
 			transfer_usage(stdout);
@@ -279,7 +296,7 @@ kl_bench_transfer_main(int argc, char **argv)
 			for (int k = 0; k < T_KINDS; k++) {
 				int kind = (r % 2 == 0) ? k : T_KINDS - 1 - k;
 				double t = tphase(&b, kind, threads, ms,
-						 (uint64_t)(r * 2 + kind + 1));
+						 (uint64_t)r * 2 + (uint64_t)kind + 1);
 
 				if (t < 0) {
 					printf("%8d %20s %14s %14s %8s %10d\n",
