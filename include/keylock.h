@@ -438,6 +438,37 @@ KL_API bool kl_lease_valid(const kl_lease *lease);
 /* The key the lease holds (valid until release). */
 KL_API const char *kl_lease_key(const kl_lease *lease);
 
+/* Every distinct key of keys[0..n-1] (NUL-terminated strings), all or
+ * nothing, then fn(lease, arg) as kl_lock_run_lease does, releasing every key
+ * on every path.  The keys are taken one at a time in the canonical order
+ * (bytewise: memcmp on the common length, then the shorter first; duplicates
+ * merged), each wait holding the keys already taken: two key-set calls never
+ * deadlock, whatever order their keys were given in.  One deadline (the
+ * lock's timeout, counted from the call) and one cancel token (may be NULL)
+ * for the whole set.  On any failure the keys taken are released in reverse
+ * order and fn is not called.  Events: ACQUIRED and RELEASED per key,
+ * REJECTED once per failed call, naming the key that failed.  Returns KL_OK
+ * (fn ran) or as kl_lock_run_lease; KL_EINVAL when keys is NULL, n is 0, a
+ * key is NULL or the lock has a key of its own.  The lease's kl_lease_key
+ * and kl_lease_fence are its first key's; kl_lease_valid is false once any
+ * key's lease is lost.  Since 0.1. */
+KL_API int kl_lock_run_many(kl_lock *l, const char *const *keys, size_t n,
+			    kl_cancel *cancel, kl_lease_fn fn, void *arg,
+			    int *fn_result, kl_error *err);
+/* kl_lock_run_many's acquisition, returning a lease (keys copied) that
+ * kl_lease_release releases whole, from any thread.  Since 0.1. */
+KL_API int kl_lock_acquire_many(kl_lock *l, const char *const *keys, size_t n,
+				kl_cancel *cancel, kl_lease **out,
+				kl_error *err) KL_ATTR(warn_unused_result);
+/* The keys a lease holds: 1 for a single key, the distinct keys of a set
+ * (0 for NULL).  Since 0.1. */
+KL_API size_t kl_lease_count(const kl_lease *lease);
+/* Key i of the lease in canonical order (NULL when i >= count).  Since
+ * 0.1. */
+KL_API const char *kl_lease_key_at(const kl_lease *lease, size_t i);
+/* The fence of key i (0 when i >= count).  Since 0.1. */
+KL_API uint64_t kl_lease_fence_at(const kl_lease *lease, size_t i);
+
 #ifdef __cplusplus
 }
 #endif

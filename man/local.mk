@@ -18,15 +18,20 @@ dist_man_MANS = \
 	man/kl_cancel_new.3 \
 	man/kl_cancel_new_timeout.3 \
 	man/kl_duration_parse.3 \
+	man/kl_lease_count.3 \
 	man/kl_lease_fence.3 \
+	man/kl_lease_fence_at.3 \
 	man/kl_lease_key.3 \
+	man/kl_lease_key_at.3 \
 	man/kl_lease_release.3 \
 	man/kl_lease_valid.3 \
 	man/kl_lock_acquire.3 \
+	man/kl_lock_acquire_many.3 \
 	man/kl_lock_free.3 \
 	man/kl_lock_new.3 \
 	man/kl_lock_run.3 \
 	man/kl_lock_run_lease.3 \
+	man/kl_lock_run_many.3 \
 	man/kl_memory_provider.3 \
 	man/kl_memory_provider_new.3 \
 	man/kl_memory_provider_queue_size.3 \

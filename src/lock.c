@@ -7,6 +7,8 @@
  * the provider call has returned, so a callback may itself take locks.
  * kl_lock_run and kl_lock_run_lease share one body (run) and keep their
  * lease on the stack or in the key's entry: they allocate nothing.
+ * kl_lock_run_many goes through the same body with a key set, whose lease
+ * (struct lease_set) is one allocation holding a struct kl_lease per key.
  */
 #include "config.h"
 
@@ -16,7 +18,8 @@
 #include "table.h"
 
 struct kl_lock {
-	kl_provider *provider;
+	/* Aligned so that a pointer to it leaves the lease marks clear. */
+	_Alignas(8) kl_provider *provider;
 	/* The provider's table when leases live in its entries (see
 	 * in_entry), else NULL: one load on every acquire and release. */
 	struct kl__table *table;
@@ -37,8 +40,27 @@ struct kl_lease {
 	const char *key;
 	size_t key_len;
 	unsigned lent; /* LEASE_LENT, LEASE_RELEASED: see lent_release */
-	char key_buf[]; /* the key, for leases from kl_lock_acquire */
 };
+
+/*
+ * The lease of a key set: word is the lock with LEASE_SET (and the lent
+ * marks) in its low bits, so that lease_lock() reads it like any lease.
+ * held[0..n-1] are the distinct keys in canonical order, each a lease of
+ * its own from the provider (never in an entry); held[0..taken-1] are held.
+ * The keys point into the caller's array (run) or into the copy that
+ * follows held[] (kl_lock_acquire_many).
+ */
+struct lease_set {
+	kl_lock *word;
+	size_t n;
+	size_t taken;
+	bool heap; /* allocated, else in kl_lock_run_many's frame */
+	struct kl_lease held[];
+};
+
+/* Sets of up to this many keys given to kl_lock_run_many live on its stack:
+ * the common pairs and triples allocate nothing. */
+#define SET_ON_STACK 4
 
 #define KNOWN_FLAGS KL_ERRORCHECK
 
@@ -71,7 +93,8 @@ in_entry(const kl_lock *l)
  */
 #define LEASE_LENT 1u
 #define LEASE_RELEASED 2u
-#define LEASE_MARKS ((uintptr_t)(LEASE_LENT | LEASE_RELEASED))
+#define LEASE_SET 4u /* a struct lease_set */
+#define LEASE_MARKS ((uintptr_t)(LEASE_LENT | LEASE_RELEASED | LEASE_SET))
 
 _Static_assert(_Alignof(kl_lock) > LEASE_MARKS,
 	       "a kl_lock pointer has room for the lease marks");
@@ -86,6 +109,18 @@ static kl_lock *
 lease_lock(const kl_lease *lease)
 {
 	return (kl_lock *)(lease_word(lease) & ~LEASE_MARKS);
+}
+
+static bool
+is_set(const kl_lease *lease)
+{
+	return (lease_word(lease) & LEASE_SET) != 0;
+}
+
+static struct lease_set *
+set_of(const kl_lease *lease)
+{
+	return (struct lease_set *)(void *)(uintptr_t)lease;
 }
 
 static struct kl__entry *
@@ -241,13 +276,13 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 	return KL_OK;
 }
 
-/* Asks the provider for lease->key and raises ACQUIRED or REJECTED. */
+/* Asks the provider for lease->key, waiting up to timeout_ms, and raises
+ * ACQUIRED or REJECTED. */
 static int
-acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
-	kl_error *err)
+acquire(kl_lock *l, kl_cancel *cancel, int64_t timeout_ms,
+	struct kl_lease *lease, kl_error *err)
 {
 	kl_provider *p = l->provider;
-	kl_cancel *cancel = call != NULL ? call->cancel : NULL;
 	kl_error perr;
 	int64_t start;
 	int rc;
@@ -259,7 +294,7 @@ acquire(kl_lock *l, const kl_call *call, struct kl_lease *lease,
 	perr.status = KL_OK;
 	perr.message[0] = '\0';
 	rc = p->ops.acquire(p->impl, lease->key, lease->key_len, cancel,
-			    l->timeout_ms, l->ttl_ms, l->flags, &lease->handle,
+			    timeout_ms, l->ttl_ms, l->flags, &lease->handle,
 			    &lease->fence, &perr);
 	if (rc != KL_OK) {
 		rejected(l, lease->key, lease->key_len, rc, perr.message,
@@ -300,6 +335,217 @@ release(struct kl_lease *lease)
 		emit(l, KL_EV_RELEASE_FAILED, lease->key, rc, 0, held);
 }
 
+
+/*
+ * Key sets.
+ *
+ * Every set call takes its distinct keys one by one in the canonical order
+ * (bytewise: memcmp on the common length, then the shorter first), waiting
+ * for each while it holds those before it.  Two set calls therefore never
+ * wait for each other in a cycle: whichever holds the smaller of two keys
+ * they share is never waiting for a key the other holds below it, the
+ * argument of every lock ordering.  The order depends on the bytes alone,
+ * so it is the same in every process and on every host that shares a
+ * provider.  The set has one deadline, taken when the call starts, and one
+ * cancel token; a failure on any key releases those already held, in
+ * reverse order, so nothing stays held and no lease exists.
+ */
+static int
+key_cmp(const void *a, const void *b)
+{
+	const struct kl_lease *x = a, *y = b;
+	size_t m = x->key_len < y->key_len ? x->key_len : y->key_len;
+	int c = memcmp(x->key, y->key, m);
+
+	if (c != 0)
+		return c;
+	return (x->key_len > y->key_len) - (x->key_len < y->key_len);
+}
+
+/* The timeout left until deadline_ns, rounded up so that a key's wait never
+ * ends before the set's deadline; 0 (try once) when it has passed. */
+static int64_t
+timeout_left(int64_t deadline_ns)
+{
+	int64_t left;
+
+	if (deadline_ns == KL_NO_DEADLINE)
+		return KL_FOREVER;
+	left = deadline_ns - kl__now_ns();
+	if (left <= 0)
+		return 0;
+	return left / 1000000 + (left % 1000000 != 0);
+}
+
+/* Releases held[taken-1] down to held[0] (the reverse of the order they
+ * were taken in), raising RELEASED or RELEASE_FAILED for each. */
+static void
+release_set(struct lease_set *s)
+{
+	kl_lock *l = lease_lock((const kl_lease *)(void *)s);
+
+	while (s->taken > 0) {
+		struct kl_lease *h = &s->held[--s->taken];
+
+		if (in_entry(l))
+			kl__table_release(l->table, h->handle);
+		else
+			release(h);
+	}
+}
+
+/* Takes key h->key for a set before deadline_ns (the first key with the
+ * lock's own timeout): from the table itself when leases live in entries
+ * (no hook, so no event), else through the provider with the time left. */
+static int
+acquire_member(kl_lock *l, kl_cancel *cancel, bool first, int64_t deadline_ns,
+	       struct kl_lease *h, kl_error *err)
+{
+	struct kl__entry *e;
+	int rc;
+
+	h->lock = l;
+	h->lent = 0;
+	if (!in_entry(l))
+		return acquire(l, cancel,
+			       first ? l->timeout_ms : timeout_left(deadline_ns),
+			       h, err);
+	rc = kl__table_acquire(l->table, h->key, h->key_len, deadline_ns,
+			       cancel, l->flags, &e, &h->fence);
+	if (rc != KL_OK) {
+		rejected(l, h->key, h->key_len, rc, "", err);
+		return rc;
+	}
+	h->handle = e;
+	return KL_OK;
+}
+
+/* Sorts held[0..n-1] into the canonical order: by insertion for the small
+ * sets that are the rule (no call per comparison), else with qsort. */
+static void
+sort_keys(struct kl_lease *held, size_t n)
+{
+	if (n > 16) {
+		qsort(held, n, sizeof *held, key_cmp);
+		return;
+	}
+	for (size_t i = 1; i < n; i++) {
+		struct kl_lease x = held[i];
+		size_t j = i;
+
+		for (; j > 0 && key_cmp(&held[j - 1], &x) > 0; j--)
+			held[j] = held[j - 1];
+		held[j] = x;
+	}
+}
+
+/* Releases what set s holds and frees it when it was allocated. */
+static void
+end_set(struct lease_set *s)
+{
+	release_set(s);
+	if (s->heap)
+		kl__free(s);
+}
+
+/*
+ * Validates keys[0..n-1], sorts and merges them into a struct lease_set
+ * (in small, of small_size bytes, when it fits and copy is not set; else
+ * allocated, with a copy of the keys when copy is set) and takes them all.
+ * On any failure nothing is held, nothing stays allocated and *out is NULL.
+ */
+static int
+acquire_set(kl_lock *l, const char *const *keys, size_t n, kl_cancel *cancel,
+	    bool copy, void *small, size_t small_size, struct lease_set **out,
+	    kl_error *err)
+{
+	struct lease_set *s;
+	size_t i, m, bytes = 0, size;
+	int64_t deadline;
+	char *buf;
+	int rc;
+
+	*out = NULL;
+	if (keys == NULL || n == 0) {
+		kl__error_set(err, KL_EINVAL,
+			      "a key set needs at least one key (keys %s, n %zu)",
+			      keys == NULL ? "NULL" : "given", n);
+		return KL_EINVAL;
+	}
+	if (l->key != NULL) {
+		kl__error_set(err, KL_EINVAL,
+			      "the lock has its own key; a key set needs a "
+			      "lock without one");
+		return KL_EINVAL;
+	}
+	for (i = 0; i < n; i++) {
+		if (keys[i] == NULL) {
+			kl__error_set(err, KL_EINVAL,
+				      "key %zu of the set is NULL", i);
+			return KL_EINVAL;
+		}
+		if (copy) {
+			size_t len = strlen(keys[i]) + 1;
+
+			if (bytes > SIZE_MAX - len)
+				goto nomem;
+			bytes += len;
+		}
+	}
+	if (bytes > SIZE_MAX - sizeof *s ||
+	    n > (SIZE_MAX - sizeof *s - bytes) / sizeof s->held[0])
+		goto nomem;
+	size = sizeof *s + n * sizeof s->held[0] + bytes;
+	if (!copy && size <= small_size) {
+		s = small;
+		s->heap = false;
+	} else if ((s = kl__malloc(size)) != NULL) {
+		s->heap = true;
+	} else {
+		goto nomem;
+	}
+	buf = (char *)&s->held[n];
+	for (i = 0; i < n; i++) {
+		struct kl_lease *h = &s->held[i];
+
+		h->key_len = strlen(keys[i]);
+		if (copy) {
+			memcpy(buf, keys[i], h->key_len + 1);
+			h->key = buf;
+			buf += h->key_len + 1;
+		} else {
+			h->key = keys[i];
+		}
+	}
+	sort_keys(s->held, n);
+	for (i = 1, m = 1; i < n; i++)
+		if (key_cmp(&s->held[m - 1], &s->held[i]) != 0)
+			s->held[m++] = s->held[i];
+	s->word = (kl_lock *)((uintptr_t)l | LEASE_SET);
+	s->n = m;
+	s->taken = 0;
+	deadline = kl__deadline(l->timeout_ms);
+	for (i = 0; i < m; i++) {
+		rc = acquire_member(l, cancel, i == 0, deadline, &s->held[i],
+				    err);
+		if (rc != KL_OK) {
+			end_set(s);
+			return rc;
+		}
+		s->taken = i + 1;
+	}
+	if (err != NULL) {
+		err->status = KL_OK;
+		err->message[0] = '\0';
+	}
+	*out = s;
+	return KL_OK;
+nomem:
+	kl__error_set(err, KL_ENOMEM, "out of memory for the key set");
+	emit(l, KL_EV_REJECTED, keys[0], KL_ENOMEM, 0, 0);
+	return KL_ENOMEM;
+}
+
 /*
  * kl_lock_run_lease, and kl_lock_run through run_plain: the lease lent to
  * fn lives in the key's entry (in_entry) or on this stack, marked
@@ -307,10 +553,12 @@ release(struct kl_lease *lease)
  * kl_lock_run pays no call to run on top of its call to fn.
  */
 static inline __attribute__((always_inline)) int
-run(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
+run(kl_lock *l, const kl_call *call, bool many, const char *const *keys,
+    size_t n, void *small, size_t small_size, kl_lease_fn fn, void *arg,
     int *fn_result, kl_error *err)
 {
 	struct kl_lease stack;
+	struct lease_set *set = NULL;
 	kl_lease *lease;
 	bool misused;
 	int rc, r;
@@ -319,23 +567,38 @@ run(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
 		kl__error_set(err, KL_EINVAL, "no lock or no function given");
 		return KL_EINVAL;
 	}
-	if ((rc = resolve_key(l, call, &stack.key, &stack.key_len, err)) !=
-	    KL_OK)
-		return rc;
-	if (in_entry(l)) {
-		rc = acquire_in_entry(l, call, stack.key, stack.key_len,
-				      LEASE_LENT, &lease, err);
+	if (many) {
+		/* call carries the set's cancel token only. */
+		rc = acquire_set(l, keys, n, call != NULL ? call->cancel : NULL,
+				 false, small, small_size, &set, err);
+		if (rc != KL_OK)
+			return rc;
+		set->word = (kl_lock *)((uintptr_t)set->word | LEASE_LENT);
+		lease = (kl_lease *)(void *)set;
 	} else {
-		stack.lent = LEASE_LENT;
-		lease = &stack;
-		rc = acquire(l, call, lease, err);
+		rc = resolve_key(l, call, &stack.key, &stack.key_len, err);
+		if (rc != KL_OK)
+			return rc;
+		if (in_entry(l)) {
+			rc = acquire_in_entry(l, call, stack.key,
+					      stack.key_len, LEASE_LENT,
+					      &lease, err);
+		} else {
+			stack.lent = LEASE_LENT;
+			lease = &stack;
+			rc = acquire(l, call != NULL ? call->cancel : NULL,
+				     l->timeout_ms, lease, err);
+		}
+		if (rc != KL_OK)
+			return rc;
 	}
-	if (rc != KL_OK)
-		return rc;
 	r = fn(lease, arg);
 	if (fn_result != NULL)
 		*fn_result = r;
-	if (in_entry(l)) {
+	if (many) {
+		misused = (lease_word(lease) & LEASE_RELEASED) != 0;
+		end_set(set);
+	} else if (in_entry(l)) {
 		misused = (lease_word(lease) & LEASE_RELEASED) != 0;
 		kl__table_release(l->table, lease_entry(lease));
 	} else {
@@ -371,14 +634,51 @@ kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg), void *arg,
 {
 	struct plain_fn p = { .fn = fn, .arg = arg };
 
-	return run(l, call, fn != NULL ? run_plain : NULL, &p, fn_result, err);
+	return run(l, call, false, NULL, 0, NULL, 0,
+		   fn != NULL ? run_plain : NULL, &p, fn_result, err);
 }
 
 int
 kl_lock_run_lease(kl_lock *l, const kl_call *call, kl_lease_fn fn, void *arg,
 		  int *fn_result, kl_error *err)
 {
-	return run(l, call, fn, arg, fn_result, err);
+	return run(l, call, false, NULL, 0, NULL, 0, fn, arg, fn_result, err);
+}
+
+int
+kl_lock_run_many(kl_lock *l, const char *const *keys, size_t n,
+		 kl_cancel *cancel, kl_lease_fn fn, void *arg, int *fn_result,
+		 kl_error *err)
+{
+	kl_call call = { .key = NULL, .cancel = cancel };
+	union {
+		struct lease_set s;
+		char bytes[sizeof(struct lease_set) +
+			   SET_ON_STACK * sizeof(struct kl_lease)];
+	} small;
+
+	return run(l, &call, true, keys, n, &small, sizeof small, fn, arg,
+		   fn_result, err);
+}
+
+int
+kl_lock_acquire_many(kl_lock *l, const char *const *keys, size_t n,
+		     kl_cancel *cancel, kl_lease **out, kl_error *err)
+{
+	struct lease_set *s;
+	int rc;
+
+	if (out != NULL)
+		*out = NULL;
+	if (l == NULL || out == NULL) {
+		kl__error_set(err, KL_EINVAL, "no lock or no lease pointer");
+		return KL_EINVAL;
+	}
+	if ((rc = acquire_set(l, keys, n, cancel, true, NULL, 0, &s, err)) !=
+	    KL_OK)
+		return rc;
+	*out = (kl_lease *)(void *)s;
+	return KL_OK;
 }
 
 int
@@ -408,12 +708,14 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 		emit(l, KL_EV_REJECTED, key, KL_ENOMEM, 0, 0);
 		return KL_ENOMEM;
 	}
-	memcpy(lease->key_buf, key, len);
-	lease->key_buf[len] = '\0';
-	lease->key = lease->key_buf;
+	/* The copy of the key follows the lease. */
+	memcpy(lease + 1, key, len);
+	((char *)(lease + 1))[len] = '\0';
+	lease->key = (const char *)(lease + 1);
 	lease->key_len = len;
 	lease->lent = 0;
-	if ((rc = acquire(l, call, lease, err)) != KL_OK) {
+	if ((rc = acquire(l, call != NULL ? call->cancel : NULL,
+			  l->timeout_ms, lease, err)) != KL_OK) {
 		kl__free(lease);
 		return rc;
 	}
@@ -428,7 +730,7 @@ lent_release(kl_lease *lease, const kl_lock *l)
 {
 	uintptr_t w;
 
-	if (in_entry(l)) {
+	if (is_set(lease) || in_entry(l)) {
 		if (((w = lease_word(lease)) & LEASE_LENT) == 0)
 			return false;
 		*(kl_lock **)(void *)lease = (kl_lock *)(w | LEASE_RELEASED);
@@ -450,6 +752,10 @@ kl_lease_release(kl_lease *lease)
 	l = lease_lock(lease);
 	if (lent_release(lease, l))
 		return;
+	if (is_set(lease)) {
+		end_set(set_of(lease));
+		return;
+	}
 	if (in_entry(l)) {
 		kl__table_release(l->table, lease_entry(lease));
 		return;
@@ -463,6 +769,8 @@ kl_lease_fence(const kl_lease *lease)
 {
 	if (lease == NULL)
 		return 0;
+	if (is_set(lease))
+		return set_of(lease)->held[0].fence;
 	if (in_entry(lease_lock(lease)))
 		return kl__entry_fence(lease_entry(lease));
 	return lease->fence;
@@ -475,9 +783,18 @@ kl_lease_valid(const kl_lease *lease)
 
 	if (lease == NULL)
 		return false;
+	p = lease_lock(lease)->provider;
+	if (is_set(lease)) {
+		const struct lease_set *s = set_of(lease);
+
+		/* Valid while every key's lease is. */
+		for (size_t i = 0; i < s->n && p->ops.valid != NULL; i++)
+			if (!p->ops.valid(p->impl, s->held[i].handle))
+				return false;
+		return true;
+	}
 	if (in_entry(lease_lock(lease)))
 		return true; /* a memory lease is never lost */
-	p = lease_lock(lease)->provider;
 	return p->ops.valid == NULL || p->ops.valid(p->impl, lease->handle);
 }
 
@@ -486,7 +803,34 @@ kl_lease_key(const kl_lease *lease)
 {
 	if (lease == NULL)
 		return NULL;
+	if (is_set(lease))
+		return set_of(lease)->held[0].key;
 	if (in_entry(lease_lock(lease)))
 		return kl__entry_key(lease_entry(lease));
 	return lease->key;
+}
+
+size_t
+kl_lease_count(const kl_lease *lease)
+{
+	if (lease == NULL)
+		return 0;
+	return is_set(lease) ? set_of(lease)->n : 1;
+}
+
+const char *
+kl_lease_key_at(const kl_lease *lease, size_t i)
+{
+	if (lease == NULL || i >= kl_lease_count(lease))
+		return NULL;
+	return is_set(lease) ? set_of(lease)->held[i].key : kl_lease_key(lease);
+}
+
+uint64_t
+kl_lease_fence_at(const kl_lease *lease, size_t i)
+{
+	if (lease == NULL || i >= kl_lease_count(lease))
+		return 0;
+	return is_set(lease) ? set_of(lease)->held[i].fence
+			     : kl_lease_fence(lease);
 }

@@ -1833,6 +1833,611 @@ START_TEST(test_mutual_exclusion_stress)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Key sets                                                            */
+
+/* A provider that excludes nothing and counts what it holds; its acquire
+ * number fail_at fails with KL_EPROVIDER, and the lease it handed out as
+ * acquire number lost_at reports itself lost. */
+struct fp {
+	pthread_mutex_t mu;
+	int acquires, releases, held;
+	int fail_at;
+	atomic_int lost_at;
+	char cookies[16];
+};
+
+static int
+fp_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
+	   uint64_t *fence, kl_error *err)
+{
+	struct fp *f = impl;
+	int n, rc = KL_OK;
+
+	(void)key;
+	(void)key_len;
+	(void)cancel;
+	(void)timeout_ms;
+	(void)ttl_ms;
+	(void)flags;
+	pthread_mutex_lock(&f->mu);
+	n = ++f->acquires;
+	if (n == f->fail_at) {
+		rc = KL_EPROVIDER;
+		if (err != NULL) {
+			err->status = rc;
+			snprintf(err->message, sizeof err->message,
+				 "fp: refused");
+		}
+	} else {
+		f->held++;
+		*lease = &f->cookies[n % 16];
+		*fence = (uint64_t)n;
+	}
+	pthread_mutex_unlock(&f->mu);
+	return rc;
+}
+
+static int
+fp_release(void *impl, void *lease, kl_error *err)
+{
+	struct fp *f = impl;
+
+	(void)lease;
+	(void)err;
+	pthread_mutex_lock(&f->mu);
+	f->releases++;
+	f->held--;
+	pthread_mutex_unlock(&f->mu);
+	return KL_OK;
+}
+
+static bool
+fp_valid(void *impl, void *lease)
+{
+	struct fp *f = impl;
+
+	return (char *)lease - f->cookies != atomic_load(&f->lost_at) % 16;
+}
+
+static const kl_provider_ops fp_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "fp",
+	.acquire = fp_acquire,
+	.release = fp_release,
+	.valid = fp_valid,
+};
+
+static kl_provider *
+fp_new(struct fp *f)
+{
+	kl_provider *p = NULL;
+
+	memset(f, 0, sizeof *f);
+	pthread_mutex_init(&f->mu, NULL);
+	atomic_init(&f->lost_at, -1);
+	ck_assert_int_eq(kl_provider_new(&p, &fp_ops, f), KL_OK);
+	return p;
+}
+
+/* What fn saw of a set lease. */
+struct set_seen {
+	kl_provider *p;
+	int calls;
+	size_t count;
+	char keys[8][16];
+	uint64_t fences[8];
+	bool all_held;
+	bool release_it; /* misuse: fn releases the lease it was lent */
+};
+
+static int
+fn_set_seen(kl_lease *lease, void *arg)
+{
+	struct set_seen *s = arg;
+
+	s->calls++;
+	s->count = kl_lease_count(lease);
+	s->all_held = true;
+	for (size_t i = 0; i < s->count && i < 8; i++) {
+		snprintf(s->keys[i], sizeof s->keys[i], "%s",
+			 kl_lease_key_at(lease, i));
+		s->fences[i] = kl_lease_fence_at(lease, i);
+		if (s->p != NULL && key_free(s->p, s->keys[i]))
+			s->all_held = false;
+	}
+	if (s->release_it) {
+		kl_lease_release(lease);
+		for (size_t i = 0; i < s->count && s->p != NULL; i++)
+			if (key_free(s->p, kl_lease_key_at(lease, i)))
+				s->all_held = false;
+	}
+	return 11;
+}
+
+/* The distinct keys in bytewise order (memcmp, then the shorter first:
+ * unsigned bytes, so 0xff sorts last), duplicates merged, on a lock that
+ * keeps leases in entries (no hook) and on one that does not (a hook); the
+ * set excludes single-key holders of each member and is released whole. */
+START_TEST(test_many_canonical_order)
+{
+	static const char *const keys[] = { "b", "a\xff", "ab", "a",
+					    "b", "B", "a" };
+	static const char *const want[] = { "B", "a", "ab", "a\xff", "b" };
+	struct evlog g;
+	kl_provider *p = private_provider();
+
+	evlog_init(&g);
+	for (int hook = 0; hook < 2; hook++) {
+		kl_lock *l = lock_make(p, NULL, KL_FOREVER, 0,
+				       hook ? evlog_fn : NULL, &g);
+		struct set_seen s = { .p = p };
+		kl_lease *lease = NULL;
+		int res = 0;
+
+		ck_assert_int_eq(kl_lock_acquire_many(l, keys, 7, NULL, &lease,
+						      NULL),
+				 KL_OK);
+		ck_assert_uint_eq(kl_lease_count(lease), 5);
+		for (size_t i = 0; i < 5; i++) {
+			ck_assert_str_eq(kl_lease_key_at(lease, i), want[i]);
+			ck_assert_uint_gt(kl_lease_fence_at(lease, i), 0);
+			ck_assert(!key_free(p, want[i]));
+		}
+		ck_assert_ptr_null(kl_lease_key_at(lease, 5));
+		ck_assert_uint_eq(kl_lease_fence_at(lease, 5), 0);
+		ck_assert_str_eq(kl_lease_key(lease), "B");
+		ck_assert_uint_eq(kl_lease_fence(lease),
+				  kl_lease_fence_at(lease, 0));
+		ck_assert(kl_lease_valid(lease));
+		kl_lease_release(lease);
+		for (size_t i = 0; i < 5; i++)
+			ck_assert(key_free(p, want[i]));
+
+		ck_assert_int_eq(kl_lock_run_many(l, keys, 7, NULL,
+						  fn_set_seen, &s, &res, NULL),
+				 KL_OK);
+		ck_assert_int_eq(res, 11);
+		ck_assert_int_eq(s.calls, 1);
+		ck_assert_uint_eq(s.count, 5);
+		ck_assert(s.all_held);
+		for (size_t i = 0; i < 5; i++)
+			ck_assert_str_eq(s.keys[i], want[i]);
+		for (size_t i = 0; i < 5; i++)
+			ck_assert(key_free(p, want[i]));
+		kl_lock_free(l);
+	}
+	/* A single-key lease is a set of one. */
+	{
+		kl_lock *l = lock_make(p, "solo", KL_FOREVER, 0, NULL, NULL);
+		kl_lease *lease = NULL;
+
+		ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+		ck_assert_uint_eq(kl_lease_count(lease), 1);
+		ck_assert_str_eq(kl_lease_key_at(lease, 0), "solo");
+		ck_assert_uint_eq(kl_lease_fence_at(lease, 0),
+				  kl_lease_fence(lease));
+		ck_assert_ptr_null(kl_lease_key_at(lease, 1));
+		kl_lease_release(lease);
+		ck_assert_uint_eq(kl_lease_count(NULL), 0);
+		kl_lock_free(l);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* Bad arguments are KL_EINVAL with a message saying what is wrong, and
+ * nothing is held. */
+START_TEST(test_many_einval)
+{
+	static const char *const with_null[] = { "x", NULL };
+	static const char *const one[] = { "x" };
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	kl_lock *own = lock_make(p, "own", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *lease = (kl_lease *)&lease;
+	struct set_seen s = { 0 };
+	kl_error err;
+
+	ck_assert_int_eq(kl_lock_acquire_many(l, NULL, 1, NULL, &lease, &err),
+			 KL_EINVAL);
+	ck_assert_ptr_null(lease);
+	ck_assert(strstr(err.message, "at least one key") != NULL);
+	ck_assert_int_eq(kl_lock_acquire_many(l, one, 0, NULL, &lease, &err),
+			 KL_EINVAL);
+	ck_assert(strstr(err.message, "at least one key") != NULL);
+	ck_assert_int_eq(kl_lock_acquire_many(l, with_null, 2, NULL, &lease,
+					      &err),
+			 KL_EINVAL);
+	ck_assert_msg(strstr(err.message, "key 1") != NULL, "%s", err.message);
+	ck_assert_int_eq(kl_lock_acquire_many(own, one, 1, NULL, &lease, &err),
+			 KL_EINVAL);
+	ck_assert(strstr(err.message, "its own key") != NULL);
+	ck_assert_int_eq(kl_lock_acquire_many(NULL, one, 1, NULL, &lease,
+					      &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_lock_acquire_many(l, one, 1, NULL, NULL, &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_lock_run_many(l, with_null, 2, NULL, fn_set_seen,
+					  &s, NULL, &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_lock_run_many(own, one, 1, NULL, fn_set_seen, &s,
+					  NULL, &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_lock_run_many(l, one, 1, NULL, NULL, NULL, NULL,
+					  &err),
+			 KL_EINVAL);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert(key_free(p, "x"));
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(own);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Another holder keeps the second key: the set times out, the first key is
+ * released again (its events say so), no lease exists, the message and the
+ * one REJECTED event name the key that failed. */
+START_TEST(test_many_timeout_all_or_nothing)
+{
+	static const char *const keys[] = { "t2", "t1" };
+	kl_provider *p = private_provider();
+	kl_lock *hold = lock_make(p, "t2", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *held = NULL, *lease = (kl_lease *)&lease;
+	struct set_seen s = { 0 };
+	struct evlog g;
+	kl_error err;
+	kl_lock *l;
+
+	evlog_init(&g);
+	l = lock_make(p, NULL, 100, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_acquire(hold, NULL, &held, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire_many(l, keys, 2, NULL, &lease, &err),
+			 KL_ETIMEDOUT);
+	ck_assert_ptr_null(lease);
+	ck_assert_msg(strstr(err.message, "'t2'") != NULL, "%s", err.message);
+	ck_assert(key_free(p, "t1"));
+	ck_assert_int_eq(g.n, 3);
+	check_event(&g, 0, KL_EV_ACQUIRED, "t1", KL_OK);
+	check_event(&g, 1, KL_EV_REJECTED, "t2", KL_ETIMEDOUT);
+	check_event(&g, 2, KL_EV_RELEASED, "t1", KL_OK);
+
+	ck_assert_int_eq(kl_lock_run_many(l, keys, 2, NULL, fn_set_seen, &s,
+					  NULL, NULL),
+			 KL_ETIMEDOUT);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert(key_free(p, "t1"));
+	ck_assert_int_eq(g.n, 6);
+	kl_lease_release(held);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(hold);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+struct set_call {
+	pthread_t th;
+	kl_lock *l;
+	const char *const *keys;
+	size_t n;
+	kl_cancel *cancel;
+	struct set_seen seen;
+	int rc;
+	int64_t start_ns, end_ns;
+};
+
+static void *
+set_call_main(void *arg)
+{
+	struct set_call *c = arg;
+
+	c->start_ns = now_ns();
+	c->rc = kl_lock_run_many(c->l, c->keys, c->n, c->cancel, fn_set_seen,
+				 &c->seen, NULL, NULL);
+	c->end_ns = now_ns();
+	return NULL;
+}
+
+/* A set waiting for its second key while it holds the first is cancelled:
+ * KL_ECANCELED, fn not called, the first key free again. */
+START_TEST(test_many_cancel_all_or_nothing)
+{
+	static const char *const keys[] = { "c2", "c1" };
+	kl_provider *p = private_provider();
+	kl_lock *hold = lock_make(p, "c2", KL_FOREVER, 0, NULL, NULL);
+	kl_lease *held = NULL;
+	struct set_call c = { .keys = keys, .n = 2 };
+
+	c.l = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	ck_assert_int_eq(kl_cancel_new(&c.cancel), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(hold, NULL, &held, NULL), KL_OK);
+	test_thread_start(&c.th, set_call_main, &c);
+	wait_queue(p, "c2", 1); /* it holds c1 and waits for c2 */
+	ck_assert(!key_free(p, "c1"));
+	kl_cancel_fire(c.cancel);
+	test_thread_join(c.th);
+	ck_assert_int_eq(c.rc, KL_ECANCELED);
+	ck_assert_int_eq(c.seen.calls, 0);
+	ck_assert(key_free(p, "c1"));
+	kl_lease_release(held);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_cancel_free(c.cancel);
+	kl_lock_free(hold);
+	kl_lock_free(c.l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A provider that fails on the second key of a set: KL_EPROVIDER with its
+ * message, the first key released, nothing held; and a set lease is valid
+ * only while every key's lease is. */
+START_TEST(test_many_provider_failure)
+{
+	static const char *const keys[] = { "p3", "p1", "p2" };
+	struct set_seen s = { 0 };
+	kl_lease *lease = (kl_lease *)&lease;
+	struct evlog g;
+	struct fp f;
+	kl_provider *p;
+	kl_error err;
+	kl_lock *l;
+
+	evlog_init(&g);
+	p = fp_new(&f);
+	l = lock_make(p, NULL, KL_FOREVER, 0, evlog_fn, &g);
+	f.fail_at = 2;
+	ck_assert_int_eq(kl_lock_acquire_many(l, keys, 3, NULL, &lease, &err),
+			 KL_EPROVIDER);
+	ck_assert_ptr_null(lease);
+	ck_assert_msg(strstr(err.message, "fp: refused") != NULL &&
+			      strstr(err.message, "'p2'") != NULL,
+		      "%s", err.message);
+	ck_assert_int_eq(f.held, 0);
+	ck_assert_int_eq(f.releases, 1);
+	ck_assert_int_eq(g.n, 3);
+	check_event(&g, 0, KL_EV_ACQUIRED, "p1", KL_OK);
+	check_event(&g, 1, KL_EV_REJECTED, "p2", KL_EPROVIDER);
+	check_event(&g, 2, KL_EV_RELEASED, "p1", KL_OK);
+
+	f.fail_at = 5; /* the second key of the next run */
+	ck_assert_int_eq(kl_lock_run_many(l, keys, 3, NULL, fn_set_seen, &s,
+					  NULL, NULL),
+			 KL_EPROVIDER);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert_int_eq(f.held, 0);
+
+	f.fail_at = 0;
+	ck_assert_int_eq(kl_lock_acquire_many(l, keys, 3, NULL, &lease, NULL),
+			 KL_OK);
+	ck_assert_int_eq(f.held, 3);
+	ck_assert(kl_lease_valid(lease));
+	atomic_store(&f.lost_at, f.acquires - 1); /* p2's lease */
+	ck_assert(!kl_lease_valid(lease));
+	kl_lease_release(lease);
+	ck_assert_int_eq(f.held, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+struct timed_release {
+	pthread_t th;
+	int64_t start_ns;
+	kl_lease *first, *second;
+	int64_t first_ms, second_ms;
+};
+
+static void *
+timed_release_main(void *arg)
+{
+	struct timed_release *t = arg;
+	int64_t d;
+
+	if ((d = t->start_ns / 1000000 + t->first_ms - now_ms()) > 0)
+		test_sleep_ms(d);
+	kl_lease_release(t->first);
+	if ((d = t->start_ns / 1000000 + t->second_ms - now_ms()) > 0)
+		test_sleep_ms(d);
+	kl_lease_release(t->second);
+	return NULL;
+}
+
+/* One deadline for the set: d1 is freed after 500 of the 1000 ms and d2
+ * after 1400 ms.  A set that gave each key the whole timeout would get d2
+ * (at 1400 < 500 + 1000); with one deadline it times out on d2, which is
+ * released only after the deadline whatever the load, never early. */
+START_TEST(test_many_one_deadline)
+{
+	static const char *const keys[] = { "d2", "d1" };
+	kl_provider *p = private_provider();
+	kl_lock *h1 = lock_make(p, "d1", KL_FOREVER, 0, NULL, NULL);
+	kl_lock *h2 = lock_make(p, "d2", KL_FOREVER, 0, NULL, NULL);
+	struct timed_release t = { .first_ms = 500, .second_ms = 1400 };
+	struct set_seen s = { 0 };
+	kl_lock *l = lock_make(p, NULL, 1000, 0, NULL, NULL);
+	int64_t start;
+	int rc;
+
+	ck_assert_int_eq(kl_lock_acquire(h1, NULL, &t.first, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(h2, NULL, &t.second, NULL), KL_OK);
+	start = t.start_ns = now_ns();
+	test_thread_start(&t.th, timed_release_main, &t);
+	rc = kl_lock_run_many(l, keys, 2, NULL, fn_set_seen, &s, NULL, NULL);
+	ck_assert_int_eq(rc, KL_ETIMEDOUT);
+	ck_assert_int_eq(s.calls, 0);
+	ck_assert_int_ge(now_ns() - start, 1000 * INT64_C(1000000));
+	test_thread_join(t.th);
+	ck_assert(key_free(p, "d1") && key_free(p, "d2"));
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_lock_free(h1);
+	kl_lock_free(h2);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Events per key: ACQUIRED in canonical order, RELEASED in reverse. */
+START_TEST(test_many_events)
+{
+	static const char *const keys[] = { "e2", "e1", "e2" };
+	kl_provider *p = private_provider();
+	struct set_seen s = { 0 };
+	struct evlog g;
+	kl_lease *lease = NULL;
+	kl_lock *l;
+
+	evlog_init(&g);
+	l = lock_make(p, NULL, KL_FOREVER, 0, evlog_fn, &g);
+	ck_assert_int_eq(kl_lock_run_many(l, keys, 3, NULL, fn_set_seen, &s,
+					  NULL, NULL),
+			 KL_OK);
+	ck_assert_int_eq(g.n, 4);
+	check_event(&g, 0, KL_EV_ACQUIRED, "e1", KL_OK);
+	check_event(&g, 1, KL_EV_ACQUIRED, "e2", KL_OK);
+	check_event(&g, 2, KL_EV_RELEASED, "e2", KL_OK);
+	check_event(&g, 3, KL_EV_RELEASED, "e1", KL_OK);
+	ck_assert_int_eq(kl_lock_acquire_many(l, keys, 3, NULL, &lease, NULL),
+			 KL_OK);
+	ck_assert_int_eq(g.n, 6);
+	kl_lease_release(lease);
+	ck_assert_int_eq(g.n, 8);
+	check_event(&g, 6, KL_EV_RELEASED, "e2", KL_OK);
+	check_event(&g, 7, KL_EV_RELEASED, "e1", KL_OK);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	evlog_fini(&g);
+}
+END_TEST
+
+/* fn releasing the set it was lent: KL_EINVAL, every key held until fn
+ * returns, then released. */
+START_TEST(test_many_fn_releases)
+{
+	static const char *const keys[] = { "r1", "r2" };
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, NULL, KL_FOREVER, 0, NULL, NULL);
+	struct set_seen s = { .p = p, .release_it = true };
+	int res = 0;
+
+	ck_assert_int_eq(kl_lock_run_many(l, keys, 2, NULL, fn_set_seen, &s,
+					  &res, NULL),
+			 KL_EINVAL);
+	ck_assert_int_eq(res, 11);
+	ck_assert(s.all_held);
+	ck_assert(key_free(p, "r1") && key_free(p, "r2"));
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ABBA from many threads: sets of 2 or 3 of 4 keys in random orders (and
+ * single-key runs between them), every wait without a timeout, so that a
+ * deadlock would hang; a watchdog fails the test instead.  Inside, each
+ * key's plain counter must be 0 on entry (exclusion). */
+#define ABBA_THREADS 8
+#define ABBA_KEYS 4
+
+struct abba {
+	kl_provider *p;
+	kl_lock *l;
+	long iters;
+	int inside[ABBA_KEYS];
+	long total[ABBA_KEYS];
+	atomic_long violations, errors, done;
+};
+
+struct abba_worker {
+	pthread_t th;
+	struct abba *a;
+	unsigned seed;
+};
+
+static const char *const abba_keys[ABBA_KEYS] = { "k0", "k1", "k2", "k3" };
+
+static int
+abba_fn(kl_lease *lease, void *arg)
+{
+	struct abba *a = arg;
+	size_t n = kl_lease_count(lease);
+
+	for (size_t i = 0; i < n; i++) {
+		int k = kl_lease_key_at(lease, i)[1] - '0';
+
+		if (a->inside[k]++ != 0)
+			atomic_fetch_add(&a->violations, 1);
+	}
+	for (size_t i = 0; i < n; i++) {
+		int k = kl_lease_key_at(lease, i)[1] - '0';
+
+		a->total[k]++;
+		if (--a->inside[k] != 0)
+			atomic_fetch_add(&a->violations, 1);
+	}
+	return 0;
+}
+
+static void *
+abba_main(void *arg)
+{
+	struct abba_worker *w = arg;
+	struct abba *a = w->a;
+
+	for (long it = 0; it < a->iters; it++) {
+		const char *keys[3];
+		size_t n = 2 + rand_r(&w->seed) % 2;
+		int rc;
+
+		for (size_t i = 0; i < n; i++)
+			keys[i] = abba_keys[rand_r(&w->seed) % ABBA_KEYS];
+		rc = kl_lock_run_many(a->l, keys, n, NULL, abba_fn, a, NULL,
+				      NULL);
+		if (rc != KL_OK)
+			atomic_fetch_add(&a->errors, 1);
+	}
+	atomic_fetch_add(&a->done, 1);
+	return NULL;
+}
+
+START_TEST(test_many_abba_no_deadlock)
+{
+	struct abba_worker w[ABBA_THREADS];
+	struct abba *a = calloc(1, sizeof *a);
+	int64_t limit;
+
+	ck_assert_ptr_nonnull(a);
+	a->p = private_provider();
+	a->l = lock_make(a->p, NULL, KL_FOREVER, 0, NULL, NULL);
+	a->iters = kl_test_scaled(4000, 200);
+	for (int i = 0; i < ABBA_THREADS; i++) {
+		w[i].a = a;
+		w[i].seed = (unsigned)(i * 7919 + (int)(now_ns() & 0xffff));
+		test_thread_start(&w[i].th, abba_main, &w[i]);
+	}
+	/* The watchdog: a deadlock would keep done below the count. */
+	limit = now_ms() + 240000;
+	while (atomic_load(&a->done) < ABBA_THREADS && now_ms() < limit)
+		test_sleep_ms(20);
+	ck_assert_msg(atomic_load(&a->done) == ABBA_THREADS,
+		      "key sets deadlocked: %ld of %d threads finished",
+		      atomic_load(&a->done), ABBA_THREADS);
+	for (int i = 0; i < ABBA_THREADS; i++)
+		test_thread_join(w[i].th);
+	ck_assert_int_eq(atomic_load(&a->errors), 0);
+	ck_assert_int_eq(atomic_load(&a->violations), 0);
+	ck_assert_uint_eq(kl_memory_provider_size(a->p), 0);
+	kl_lock_free(a->l);
+	kl_provider_free(a->p);
+	free(a);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static Suite *
 lock_suite(void)
@@ -1903,6 +2508,19 @@ lock_suite(void)
 	tc = tcase_create("stress");
 	tcase_set_timeout(tc, 900);
 	tcase_add_test(tc, test_mutual_exclusion_stress);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("key sets");
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_many_canonical_order);
+	tcase_add_test(tc, test_many_einval);
+	tcase_add_test(tc, test_many_timeout_all_or_nothing);
+	tcase_add_test(tc, test_many_cancel_all_or_nothing);
+	tcase_add_test(tc, test_many_provider_failure);
+	tcase_add_test(tc, test_many_one_deadline);
+	tcase_add_test(tc, test_many_events);
+	tcase_add_test(tc, test_many_fn_releases);
+	tcase_add_test(tc, test_many_abba_no_deadlock);
 	suite_add_tcase(s, tc);
 
 	return s;

@@ -625,6 +625,108 @@ START_TEST(test_oom_lock_run_lease_hooked)
 }
 END_TEST
 
+/* Key sets: three long keys (each entry allocated) given with a duplicate;
+ * any failure leaves nothing held and no lease. */
+static const char *const set_keys[] = {
+	"zeta: a key longer than sixteen bytes",
+	"eta: a key longer than sixteen bytes",
+	"zeta: a key longer than sixteen bytes",
+	"theta: a key longer than sixteen bytes",
+};
+
+static int
+set_fn(kl_lease *lease, void *arg)
+{
+	struct ctx *x = arg;
+
+	x->fn_calls++;
+	ck_assert_uint_eq(kl_lease_count(lease), 3);
+	ck_assert_str_eq(kl_lease_key_at(lease, 0),
+			 "eta: a key longer than sixteen bytes");
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 3);
+	return 44;
+}
+
+static int
+run_lock_run_many(struct ctx *x)
+{
+	int rc;
+
+	x->fn_result = -1;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_run_many(x->lock, set_keys, 4, NULL, set_fn, x,
+			      &x->fn_result, &x->err);
+	if (rc == KL_OK) {
+		ck_assert_int_eq(x->fn_calls, 1);
+		ck_assert_int_eq(x->fn_result, 44);
+	} else {
+		ck_assert_int_eq(x->fn_calls, 0);
+		ck_assert_int_eq(x->fn_result, -1);
+		ck_assert_int_eq(x->err.status, rc);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return rc;
+}
+
+static int
+run_lock_acquire_many(struct ctx *x)
+{
+	int rc;
+
+	x->lease = SENTINEL;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_acquire_many(x->lock, set_keys, 4, NULL, &x->lease,
+				  &x->err);
+	if (rc != KL_OK) {
+		ck_assert_ptr_null(x->lease);
+		ck_assert_int_eq(x->err.status, rc);
+		ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+		return rc;
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 3);
+	ck_assert_uint_eq(kl_lease_count(x->lease), 3);
+	kl_lease_release(x->lease);
+	x->lease = NULL;
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return KL_OK;
+}
+
+START_TEST(test_oom_lock_run_many)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_run_many",
+		.setup = setup_provider_lock,
+		.run = run_lock_run_many,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+	static const struct scenario h = {
+		.name = "kl_lock_run_many with an event hook",
+		.setup = setup_provider_hooked_lock,
+		.run = run_lock_run_many,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+	sweep(&h);
+}
+END_TEST
+
+START_TEST(test_oom_lock_acquire_many)
+{
+	static const struct scenario s = {
+		.name = "kl_lock_acquire_many + kl_lease_release",
+		.setup = setup_provider_lock,
+		.run = run_lock_acquire_many,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
 START_TEST(test_hook_counts_allocations)
 {
 	kl_mutex *m;
@@ -677,6 +779,8 @@ oom_suite(void)
 	tcase_add_test(tc, test_oom_lock_run);
 	tcase_add_test(tc, test_oom_lock_run_lease);
 	tcase_add_test(tc, test_oom_lock_run_lease_hooked);
+	tcase_add_test(tc, test_oom_lock_run_many);
+	tcase_add_test(tc, test_oom_lock_acquire_many);
 	suite_add_tcase(s, tc);
 	return s;
 }

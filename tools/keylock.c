@@ -84,7 +84,9 @@ struct options {
 	bool quiet;
 	bool verbose;
 	bool status;     /* `keylock status [KEY]` */
-	const char *key; /* NULL only for a status of every key */
+	const char *key; /* NULL only for a status of every key or a set */
+	const char **keys; /* -k KEY ...: a set, taken all or nothing */
+	size_t nkeys;
 	char **command;  /* NULL-terminated tail of argv, or sh_argv */
 	const char *shell_command; /* -c STRING */
 	char *sh_argv[4];          /* /bin/sh -c STRING NULL */
@@ -100,6 +102,8 @@ usage(void)
 	      " " PROG " [options] KEY -- COMMAND [ARG...]\n"
 	      " " PROG " [options] KEY -c STRING\n"
 	      " " PROG " [options] status [KEY]\n"
+	      " " PROG " [options] -k KEY [-k KEY...] -- COMMAND [ARG...]\n"
+	      " " PROG " [options] -k KEY [-k KEY...] -c STRING\n"
 	      "\n"
 	      "Run COMMAND while holding the lock KEY; processes waiting for "
 	      "one key\n"
@@ -120,6 +124,12 @@ usage(void)
 	      " -E, --conflict-exit-code N  exit status when KEY is not "
 	      "acquired\n"
 	      "                               (0 to 255, default 75)\n"
+	      " -k, --key KEY               take KEY as a member of a set of "
+	      "keys,\n"
+	      "                               all or nothing, without deadlock"
+	      " (repeat\n"
+	      "                               -k for each key; no KEY before "
+	      "-- then)\n"
 	      " -c, --command STRING        run STRING with /bin/sh -c instead"
 	      " of\n"
 	      "                               -- COMMAND (KEY -c STRING also"
@@ -196,6 +206,28 @@ shown(char *buf, size_t size, const char *s)
 		n += 3;
 	}
 	buf[n] = '\0';
+	return buf;
+}
+
+/* The keys of a set for messages: "A, B, C", cut short like shown's. */
+static const char *
+shown_set(char *buf, size_t size, const struct options *o)
+{
+	char one[SHOWN_MAX];
+	size_t n = 0;
+
+	buf[0] = '\0';
+	for (size_t i = 0; i < o->nkeys && n + 1 < size; i++) {
+		int w = snprintf(buf + n, size - n, "%s%s", i > 0 ? ", " : "",
+				 shown(one, sizeof one, o->keys[i]));
+
+		if (w < 0 || (size_t)w >= size - n) {
+			if (size >= 4)
+				memcpy(buf + size - 4, "...", 4);
+			break;
+		}
+		n += (size_t)w;
+	}
 	return buf;
 }
 
@@ -294,15 +326,15 @@ parse_exit_code(const char *text)
  * (E2BIG) is a usage error now, before anything is locked, rather than a
  * command that cannot be run once the key is held. */
 static void
-check_key_fits(const struct options *o)
+check_key_fits(const struct options *o, const char *key)
 {
 	long argmax = sysconf(_SC_ARG_MAX);
 	size_t key_len, var, total;
 	char **v;
 
-	if (o->key == NULL)
+	if (key == NULL)
 		return;
-	key_len = strlen(o->key);
+	key_len = strlen(key);
 	var = sizeof "KEYLOCK_KEY=" + key_len;
 #ifdef __linux__
 	{
@@ -345,6 +377,7 @@ parse_args(int argc, char **argv, struct options *o)
 		{ "exclusive", no_argument, NULL, 'x' },
 		{ "shared", no_argument, NULL, 's' },
 		{ "command", required_argument, NULL, 'c' },
+		{ "key", required_argument, NULL, 'k' },
 		{ "ttl", required_argument, NULL, 't' },
 		{ "conflict-exit-code", required_argument, NULL, 'E' },
 		{ "quiet", no_argument, NULL, 'q' },
@@ -364,7 +397,12 @@ parse_args(int argc, char **argv, struct options *o)
 	/* getopt names the program by argv[0] in its messages; the libtool
 	 * wrapper of the build tree runs it as lt-keylock. */
 	argv[0] = (char *)PROG;
-	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:", longopts,
+	/* At most one key per argument. */
+	if ((o->keys = calloc((size_t)argc, sizeof *o->keys)) == NULL) {
+		fputs(PROG ": out of memory\n", stderr);
+		exit(EXIT_OSERR);
+	}
+	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:k:", longopts,
 				NULL)) != -1) {
 		switch (c) {
 		case 'p':
@@ -385,6 +423,11 @@ parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'c':
 			o->shell_command = optarg;
+			break;
+		case 'k':
+			if (optarg[0] == '\0')
+				usage_error("the KEY of -k is empty");
+			o->keys[o->nkeys++] = optarg;
 			break;
 		case 't':
 			o->ttl_ms = parse_duration("ttl", optarg, false);
@@ -420,6 +463,39 @@ parse_args(int argc, char **argv, struct options *o)
 
 	rest = argv + optind;
 	n = argc - optind;
+	if (o->nkeys > 0) {
+		/* The keys are -k's: getopt has taken a "--" that ends the
+		 * options, and what follows it is the command, so that no
+		 * command word is ever read as a KEY. */
+		bool dashes = optind > 0 && strcmp(argv[optind - 1], "--") == 0;
+
+		if (o->shell_command != NULL) {
+			if (n != 0 || dashes)
+				usage_error("-c STRING takes the place of -- "
+					    "COMMAND: nothing may follow it "
+					    "with -k");
+			o->sh_argv[0] = (char *)"/bin/sh";
+			o->sh_argv[1] = (char *)"-c";
+			o->sh_argv[2] = (char *)o->shell_command;
+			o->sh_argv[3] = NULL;
+			o->command = o->sh_argv;
+		} else if (!dashes) {
+			usage_error(n == 0 ? "no COMMAND given (" PROG
+					     " -k KEY -- COMMAND)"
+					   : "'--' expected after the -k KEYs, "
+					     "found '%s' (no KEY argument "
+					     "with -k)",
+				    n == 0 ? "" : shown(buf, sizeof buf,
+							rest[0]));
+		} else if (n == 0) {
+			usage_error("no COMMAND given after '--'");
+		} else {
+			o->command = rest;
+		}
+		for (size_t i = 0; i < o->nkeys; i++)
+			check_key_fits(o, o->keys[i]);
+		return;
+	}
 	if (n == 0)
 		usage_error("no KEY given");
 	if (n >= 2 && strcmp(rest[1], "-c") == 0) {
@@ -467,7 +543,7 @@ parse_args(int argc, char **argv, struct options *o)
 		o->command = o->sh_argv;
 	}
 	if (!o->status)
-		check_key_fits(o);
+		check_key_fits(o, o->key);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1189,7 +1265,7 @@ on_event(const kl_event *ev, void *arg)
 	case KL_EV_LOST:
 		note("warning: the lease on '%s' was lost while the command "
 		     "ran",
-		     shown(buf, sizeof buf, r->o->key));
+		     shown(buf, sizeof buf, ev->key));
 		break;
 	case KL_EV_REJECTED:
 		r->waited_ms = ev->waited_ms;
@@ -1212,7 +1288,10 @@ run_locked(const struct options *o)
 	pthread_t thread;
 	int rc, code, sig = 0;
 
-	shown(kbuf, sizeof kbuf, o->key);
+	if (o->nkeys > 0)
+		shown_set(kbuf, sizeof kbuf, o);
+	else
+		shown(kbuf, sizeof kbuf, o->key);
 	if ((rc = kl_cancel_new(&sigs.cancel)) != KL_OK) {
 		note("%s", kl_strerror(rc));
 		return failure_exit(rc);
@@ -1233,7 +1312,12 @@ run_locked(const struct options *o)
 	lo.on_event = on_event;
 	lo.event_arg = &rep;
 	call.cancel = sigs.cancel;
-	if ((rc = kl_lock_new(&lock, &lo)) == KL_OK)
+	if ((rc = kl_lock_new(&lock, &lo)) != KL_OK)
+		;
+	else if (o->nkeys > 0)
+		rc = kl_lock_acquire_many(lock, o->keys, o->nkeys, call.cancel,
+					  &lease, &err);
+	else
 		rc = kl_lock_acquire(lock, &call, &lease, &err);
 
 	/* The token is not fired after this, and may be freed. */
@@ -1247,7 +1331,8 @@ run_locked(const struct options *o)
 			note("acquired '%s' after %" PRId64
 			     " ms (fence %" PRIu64 ")",
 			     kbuf, rep.waited_ms, kl_lease_fence(lease));
-		if (command_init(&cmd, o->command, o->key,
+		/* A set passes its first key in canonical order. */
+		if (command_init(&cmd, o->command, kl_lease_key(lease),
 				 kl_lease_fence(lease)) != 0) {
 			note("out of memory");
 			code = EXIT_OSERR;
@@ -1265,7 +1350,7 @@ run_locked(const struct options *o)
 	} else if (rc == KL_ECANCELED && sig != 0) {
 		code = 128 + sig;
 	} else if (rc == KL_ETIMEDOUT || rc == KL_EOVERFLOW) {
-		if (!o->quiet && rc == KL_EOVERFLOW)
+		if (!o->quiet && (rc == KL_EOVERFLOW || o->nkeys > 0))
 			note("%s", err.message);
 		else if (!o->quiet && o->wait_ms == 0)
 			note("'%s' not acquired: it is held", kbuf);
@@ -1291,11 +1376,13 @@ int
 main(int argc, char **argv)
 {
 	struct options o = { 0 };
+	int code;
 
 	/* Before any thread exists: every thread inherits the mask. */
 	block_signals();
+
 	parse_args(argc, argv, &o);
-	if (o.status)
-		return run_status(&o);
-	return run_locked(&o);
+	code = o.status ? run_status(&o) : run_locked(&o);
+	free(o.keys);
+	return code;
 }

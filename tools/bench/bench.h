@@ -78,6 +78,8 @@
 
 /* providers.c: "keylock-bench provider --uri URI ...". */
 int kl_bench_provider_main(int argc, char **argv);
+/* transfer.c: "keylock-bench transfer ...". */
+int kl_bench_transfer_main(int argc, char **argv);
 
 #define EXIT_MISS 1   /* --strict and a target was missed */
 #define EXIT_BROKEN 2 /* an invariant broke, a call or the plot failed */

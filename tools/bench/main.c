@@ -216,6 +216,8 @@ main(int argc, char **argv)
 
 	if (argc > 1 && strcmp(argv[1], "provider") == 0)
 		return kl_bench_provider_main(argc - 1, argv + 1);
+	if (argc > 1 && strcmp(argv[1], "transfer") == 0)
+		return kl_bench_transfer_main(argc - 1, argv + 1);
 	parse_options(argc, argv);
 	progress_on = isatty(STDERR_FILENO);
 	read_load(load_before, sizeof load_before);
