@@ -637,7 +637,7 @@ static const char *const set_keys[] = {
 static int
 set_fn(kl_lease *lease, void *arg)
 {
-	struct ctx *x = arg;
+	struct oom_ctx *x = arg;
 
 	x->fn_calls++;
 	ck_assert_uint_eq(kl_lease_count(lease), 3);
@@ -648,7 +648,7 @@ set_fn(kl_lease *lease, void *arg)
 }
 
 static int
-run_lock_run_many(struct ctx *x)
+run_lock_run_many(struct oom_ctx *x)
 {
 	int rc;
 
@@ -669,7 +669,7 @@ run_lock_run_many(struct ctx *x)
 }
 
 static int
-run_lock_acquire_many(struct ctx *x)
+run_lock_acquire_many(struct oom_ctx *x)
 {
 	int rc;
 
@@ -693,14 +693,14 @@ run_lock_acquire_many(struct ctx *x)
 
 START_TEST(test_oom_lock_run_many)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_run_many",
 		.setup = setup_provider_lock,
 		.run = run_lock_run_many,
 		.check_failed = check_provider_empty,
 		.teardown = teardown_lock,
 	};
-	static const struct scenario h = {
+	static const struct oom_scenario h = {
 		.name = "kl_lock_run_many with an event hook",
 		.setup = setup_provider_hooked_lock,
 		.run = run_lock_run_many,
@@ -715,7 +715,7 @@ END_TEST
 
 START_TEST(test_oom_lock_acquire_many)
 {
-	static const struct scenario s = {
+	static const struct oom_scenario s = {
 		.name = "kl_lock_acquire_many + kl_lease_release",
 		.setup = setup_provider_lock,
 		.run = run_lock_acquire_many,
