@@ -387,6 +387,7 @@ parse_args(int argc, char **argv, struct options *o)
 		{ NULL, 0, NULL, 0 },
 	};
 	char buf[SHOWN_MAX], scheme[16];
+	const char *last_arg = NULL; /* the argument of the last option */
 	char **rest;
 	int c, n;
 
@@ -404,6 +405,7 @@ parse_args(int argc, char **argv, struct options *o)
 	}
 	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:k:", longopts,
 				NULL)) != -1) {
+		last_arg = optarg;
 		switch (c) {
 		case 'p':
 			o->provider = optarg;
@@ -466,8 +468,10 @@ parse_args(int argc, char **argv, struct options *o)
 	if (o->nkeys > 0) {
 		/* The keys are -k's: getopt has taken a "--" that ends the
 		 * options, and what follows it is the command, so that no
-		 * command word is ever read as a KEY. */
-		bool dashes = optind > 0 && strcmp(argv[optind - 1], "--") == 0;
+		 * command word is ever read as a KEY.  A "--" that was the
+		 * argument of the last option (-k --, -c --) ends nothing. */
+		bool dashes = optind > 0 && argv[optind - 1] != last_arg &&
+			      strcmp(argv[optind - 1], "--") == 0;
 
 		if (o->shell_command != NULL) {
 			if (n != 0 || dashes)

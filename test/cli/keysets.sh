@@ -22,6 +22,14 @@ kl "${P[@]}" -k a -c true -- true
 expect_usage "-k, -c and a command"
 kl "${P[@]}" -k a --
 expect_usage "-k and '--' with no command"
+# A "--" that is the KEY of -k does not end the options: the command
+# still needs its own "--".
+kl "${P[@]}" -k a -k -- touch "$TMP/dashkey"
+expect_usage "-k -- taken as the '--' before the command"
+[ ! -e "$TMP/dashkey" ] || fail "-k -- COMMAND ran the command"
+kl "${P[@]}" -k -- -- sh -c 'echo "$KEYLOCK_KEY"'
+expect_rc 0 "the key '--' before '--'"
+[ "$(cat "$OUT")" = -- ] || fail "-k -- --: KEYLOCK_KEY is '$(cat "$OUT")'"
 
 # The command runs with every key held; KEYLOCK_KEY is the first key in
 # canonical (bytewise) order; duplicates are merged.
