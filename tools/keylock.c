@@ -388,6 +388,7 @@ parse_args(int argc, char **argv, struct options *o)
 	};
 	char buf[SHOWN_MAX], scheme[16];
 	const char *last_arg = NULL; /* the argument of the last option */
+	const char *first;
 	char **rest;
 	int c, n;
 
@@ -496,8 +497,14 @@ parse_args(int argc, char **argv, struct options *o)
 		} else {
 			o->command = rest;
 		}
-		for (size_t i = 0; i < o->nkeys; i++)
-			check_key_fits(o, o->keys[i]);
+		/* Only the first key in canonical order reaches the command
+		 * (KEYLOCK_KEY); strcmp orders bytes as unsigned, as the
+		 * canonical order does. */
+		first = o->keys[0];
+		for (size_t i = 1; i < o->nkeys; i++)
+			if (strcmp(o->keys[i], first) < 0)
+				first = o->keys[i];
+		check_key_fits(o, first);
 		return;
 	}
 	if (n == 0)

@@ -40,6 +40,18 @@ kl "${P[@]}" -k b -k a -c 'echo "$KEYLOCK_KEY"'
 expect_rc 0 "a set with -c"
 [ "$(cat "$OUT")" = a ] || fail "-c: KEYLOCK_KEY is '$(cat "$OUT")'"
 
+# Only the first key reaches the command, so only it must fit in
+# KEYLOCK_KEY: a later key longer than Linux lets one variable be (32
+# pages with the name) is no usage error.
+if [ "$(uname -s)" = Linux ]; then
+	long=$(head -c $(($(getconf PAGESIZE) * 32 - 8)) /dev/zero | tr '\0' z)
+	kl "${P[@]}" -k a -k "$long" -- sh -c 'echo "$KEYLOCK_KEY"'
+	expect_rc 0 "a set with a long key after the first"
+	[ "$(cat "$OUT")" = a ] || fail "long key: KEYLOCK_KEY is not a"
+	kl "${P[@]}" -k "$long" -- true
+	expect_usage "a long key first"
+fi
+
 # A set held excludes a single-key caller of each of its keys, not others.
 bg "$KEYLOCK" "${P[@]}" -k y -k x -- sh -c '
 	touch "$1.held"
