@@ -1264,7 +1264,9 @@ on_event(const kl_event *ev, void *arg)
 
 	switch (ev->type) {
 	case KL_EV_ACQUIRED:
-		r->waited_ms = ev->waited_ms;
+		/* A set raises one per key, each with its own wait, and
+		 * waits for them one after the other: the sum is its wait. */
+		r->waited_ms += ev->waited_ms;
 		break;
 	case KL_EV_RELEASED:
 		r->held_ms = ev->held_ms;

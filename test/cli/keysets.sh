@@ -93,6 +93,22 @@ expect_rc 0 "the set once y was released"
 [ -e "$TMP/late" ] || fail "the waiting set's command did not run"
 wait_exit "$holder"
 
+# -v reports the wait of the whole set, not of its last key: the set waits
+# for a (held) at least the second slept after it queued, then takes b
+# at once.
+hold a h2
+bg "$KEYLOCK" "${P[@]}" -v -k b -k a -- true 2>"$TMP/v.err"
+waiter=$!
+wait_queue a 1
+sleep 1
+release h2
+wait_exit "$waiter"
+expect_rc 0 "the set of -v"
+wait_exit "$holder"
+waited=$(sed -n "s/.*acquired 'b, a' after \([0-9]*\) ms.*/\1/p" "$TMP/v.err")
+[ -n "$waited" ] || fail "-v: no wait reported: $(cat "$TMP/v.err")"
+[ "$waited" -ge 1000 ] || fail "-v: the set waited $waited ms, not its wait for a"
+
 # ABBA: loops of sets {A, B} in both orders, in parallel.  Each command
 # increments a counter with a read then a write, so that two commands
 # inside at once would lose an increment.
