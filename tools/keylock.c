@@ -387,6 +387,8 @@ parse_args(int argc, char **argv, struct options *o)
 		{ NULL, 0, NULL, 0 },
 	};
 	char buf[SHOWN_MAX], scheme[16];
+	const char *last_arg = NULL; /* the argument of the last option */
+	const char *first;
 	char **rest;
 	int c, n;
 
@@ -404,6 +406,7 @@ parse_args(int argc, char **argv, struct options *o)
 	}
 	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:k:", longopts,
 				NULL)) != -1) {
+		last_arg = optarg;
 		switch (c) {
 		case 'p':
 			o->provider = optarg;
@@ -466,8 +469,10 @@ parse_args(int argc, char **argv, struct options *o)
 	if (o->nkeys > 0) {
 		/* The keys are -k's: getopt has taken a "--" that ends the
 		 * options, and what follows it is the command, so that no
-		 * command word is ever read as a KEY. */
-		bool dashes = optind > 0 && strcmp(argv[optind - 1], "--") == 0;
+		 * command word is ever read as a KEY.  A "--" that was the
+		 * argument of the last option (-k --, -c --) ends nothing. */
+		bool dashes = optind > 0 && argv[optind - 1] != last_arg &&
+			      strcmp(argv[optind - 1], "--") == 0;
 
 		if (o->shell_command != NULL) {
 			if (n != 0 || dashes)
@@ -492,8 +497,14 @@ parse_args(int argc, char **argv, struct options *o)
 		} else {
 			o->command = rest;
 		}
-		for (size_t i = 0; i < o->nkeys; i++)
-			check_key_fits(o, o->keys[i]);
+		/* Only the first key in canonical order reaches the command
+		 * (KEYLOCK_KEY); strcmp orders bytes as unsigned, as the
+		 * canonical order does. */
+		first = o->keys[0];
+		for (size_t i = 1; i < o->nkeys; i++)
+			if (strcmp(o->keys[i], first) < 0)
+				first = o->keys[i];
+		check_key_fits(o, first);
 		return;
 	}
 	if (n == 0)
@@ -1253,7 +1264,9 @@ on_event(const kl_event *ev, void *arg)
 
 	switch (ev->type) {
 	case KL_EV_ACQUIRED:
-		r->waited_ms = ev->waited_ms;
+		/* A set raises one per key, each with its own wait, and
+		 * waits for them one after the other: the sum is its wait. */
+		r->waited_ms += ev->waited_ms;
 		break;
 	case KL_EV_RELEASED:
 		r->held_ms = ev->held_ms;

@@ -22,6 +22,14 @@ kl "${P[@]}" -k a -c true -- true
 expect_usage "-k, -c and a command"
 kl "${P[@]}" -k a --
 expect_usage "-k and '--' with no command"
+# A "--" that is the KEY of -k does not end the options: the command
+# still needs its own "--".
+kl "${P[@]}" -k a -k -- touch "$TMP/dashkey"
+expect_usage "-k -- taken as the '--' before the command"
+[ ! -e "$TMP/dashkey" ] || fail "-k -- COMMAND ran the command"
+kl "${P[@]}" -k -- -- sh -c 'echo "$KEYLOCK_KEY"'
+expect_rc 0 "the key '--' before '--'"
+[ "$(cat "$OUT")" = -- ] || fail "-k -- --: KEYLOCK_KEY is '$(cat "$OUT")'"
 
 # The command runs with every key held; KEYLOCK_KEY is the first key in
 # canonical (bytewise) order; duplicates are merged.
@@ -31,6 +39,18 @@ expect_rc 0 "a set"
 kl "${P[@]}" -k b -k a -c 'echo "$KEYLOCK_KEY"'
 expect_rc 0 "a set with -c"
 [ "$(cat "$OUT")" = a ] || fail "-c: KEYLOCK_KEY is '$(cat "$OUT")'"
+
+# Only the first key reaches the command, so only it must fit in
+# KEYLOCK_KEY: a later key longer than Linux lets one variable be (32
+# pages with the name) is no usage error.
+if [ "$(uname -s)" = Linux ]; then
+	long=$(head -c $(($(getconf PAGESIZE) * 32 - 8)) /dev/zero | tr '\0' z)
+	kl "${P[@]}" -k a -k "$long" -- sh -c 'echo "$KEYLOCK_KEY"'
+	expect_rc 0 "a set with a long key after the first"
+	[ "$(cat "$OUT")" = a ] || fail "long key: KEYLOCK_KEY is not a"
+	kl "${P[@]}" -k "$long" -- true
+	expect_usage "a long key first"
+fi
 
 # A set held excludes a single-key caller of each of its keys, not others.
 bg "$KEYLOCK" "${P[@]}" -k y -k x -- sh -c '
@@ -72,6 +92,22 @@ wait_exit "$waiter"
 expect_rc 0 "the set once y was released"
 [ -e "$TMP/late" ] || fail "the waiting set's command did not run"
 wait_exit "$holder"
+
+# -v reports the wait of the whole set, not of its last key: the set waits
+# for a (held) at least the second slept after it queued, then takes b
+# at once.
+hold a h2
+bg "$KEYLOCK" "${P[@]}" -v -k b -k a -- true 2>"$TMP/v.err"
+waiter=$!
+wait_queue a 1
+sleep 1
+release h2
+wait_exit "$waiter"
+expect_rc 0 "the set of -v"
+wait_exit "$holder"
+waited=$(sed -n "s/.*acquired 'b, a' after \([0-9]*\) ms.*/\1/p" "$TMP/v.err")
+[ -n "$waited" ] || fail "-v: no wait reported: $(cat "$TMP/v.err")"
+[ "$waited" -ge 1000 ] || fail "-v: the set waited $waited ms, not its wait for a"
 
 # ABBA: loops of sets {A, B} in both orders, in parallel.  Each command
 # increments a counter with a read then a write, so that two commands
