@@ -93,7 +93,7 @@
  * Crash points (test build only): KL_CRASH_POINT("name") kills the process
  * with SIGKILL when the environment variable KL_CRASH_AT, read once, names
  * that point, and stops it with SIGSTOP when KL_STOP_AT names it.
- * test/check_provider_local kills helper processes at each step of queue
+ * test/local/check_provider_local kills helper processes at each step of queue
  * mutation this way and checks that the next acquirer repairs the state,
  * and stops one with the queue lock held to check that nobody hangs.  The
  * names, in the order a process meets them:
