@@ -101,7 +101,10 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 	/* volatile: read after a longjmp */
 	char *volatile buf;
 	char *argv[MAX_ARGS + 2];
-	struct options o;
+	/* static: parse_args changes it and may leave by longjmp, after
+	 * which only a non-automatic object is sure to hold what it wrote
+	 * (its set of -k keys, to free). */
+	static struct options o;
 	volatile int argc = 1;
 	size_t i, start = 0;
 	int jumped;
@@ -145,6 +148,7 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		check(jumped - 1 == 0 || jumped - 1 == EXIT_USAGE,
 		      "parse_args exited with a status other than 0 or 64");
 	}
+	free(o.keys);
 	free(buf);
 	return 0;
 }
