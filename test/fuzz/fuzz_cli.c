@@ -139,7 +139,17 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		if (o.status) {
 			check(o.command == NULL, "status with a command");
 		} else {
-			check(o.key != NULL && o.key[0] != '\0', "no key");
+			if (o.nkeys > 0) {
+				/* a set: -k KEY ..., each one non-empty */
+				check(o.key == NULL, "a KEY besides -k");
+				for (size_t k = 0; k < o.nkeys; k++)
+					check(o.keys[k] != NULL &&
+						      o.keys[k][0] != '\0',
+					      "an empty -k KEY");
+			} else {
+				check(o.key != NULL && o.key[0] != '\0',
+				      "no key");
+			}
 			check(o.command != NULL && o.command[0] != NULL,
 			      "no command");
 		}
