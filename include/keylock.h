@@ -115,6 +115,15 @@ typedef enum {
  * a direct hand-off, which bounds every wait.  Much higher throughput on a
  * saturated lock.  Fixed at creation. */
 #define KL_EVENTUAL 0x2u
+/* flags of kl_lock_opts: take keys shared (W3C Web Locks "shared").  One
+ * FIFO queue per key holds both modes; a request is granted when it is
+ * first in the queue and, exclusive, the key has no holder, or, shared, no
+ * exclusive holder.  A run of shared requests at the head is granted
+ * together, the next exclusive one stops it, and a shared request never
+ * passes a queued exclusive one.  Every grant of either mode gets a larger
+ * fence.  A provider that cannot take keys shared returns KL_EINVAL.
+ * kl_mutex and the registry have one mode.  Since 0.1. */
+#define KL_SHARED 0x4u
 #define KL_UNBOUNDED SIZE_MAX
 
 typedef struct {
@@ -281,6 +290,27 @@ typedef struct {
 	char message[256];
 } kl_error;
 
+/* One holder or one waiter of a key, as kl_provider_snapshot reports it
+ * (W3C Web Locks query(), PostgreSQL's pg_locks, lslocks).  The strings are
+ * valid during the callback only. */
+typedef struct {
+	const char *key;    /* NUL-terminated; NULL when the provider cannot
+			       recover the name (detail says what it has) */
+	size_t key_len;     /* bytes of key; 0 when key is NULL */
+	const char *detail; /* the provider's own name for the lock, or NULL */
+	bool waiting;       /* false: holds the key; true: waits for it */
+	bool shared;        /* held or wanted KL_SHARED */
+	int64_t pid;        /* the process; 0 when unknown */
+	int64_t tid;        /* the thread, as gettid(2) names it; 0 unknown */
+	uint64_t fence;     /* a holder's grant; 0 for waiters or unknown */
+	int64_t elapsed_ms; /* held or waited so far; -1 when unknown */
+	size_t position;    /* a waiter's place in its key's queue (0: the
+			       head); 0 for holders */
+} kl_lock_info;
+
+/* Called once per entry of a snapshot; non-zero stops the walk. */
+typedef int (*kl_snapshot_fn)(const kl_lock_info *info, void *arg);
+
 /*
  * The provider interface, for writing a provider of one's own.  The library
  * calls acquire from many threads at once; an implementation is thread-safe.
@@ -288,7 +318,10 @@ typedef struct {
  * acquire: take key (key_len bytes, NUL-terminated) for the caller.  Wait at
  *   most timeout_ms (KL_FOREVER: until cancel fires; 0: try once), give up
  *   with KL_ECANCELED as soon as cancel (may be NULL) fires.  ttl_ms 0 means
- *   the provider's default.  flags may hold KL_ERRORCHECK.  On KL_OK set
+ *   the provider's default.  flags may hold KL_ERRORCHECK and KL_SHARED
+ *   (a provider that cannot take a key shared returns KL_EINVAL; one that
+ *   ignored KL_SHARED would grant exclusively, which is safe but slower).
+ *   On KL_OK set
  *   *lease to the provider's handle and *fence to a number that grows with
  *   every grant of that key.  Otherwise KL_ETIMEDOUT, KL_ECANCELED,
  *   KL_EDEADLK, KL_EINVAL (a request it does not support, such as
@@ -300,11 +333,17 @@ typedef struct {
  * destroy: free impl when the provider is freed (NULL member: nothing).
  * status: how many hold key (0 or 1) and how many wait for it, as far as
  *   the provider can tell; KL_OK, or KL_EPROVIDER with err filled (NULL
- *   member: the provider cannot tell).
+ *   member: the provider cannot tell).  Every holder counts: a key held
+ *   shared may have many.
  * watch: asks to be told when lease is lost (a distributed lease that could
  *   not be renewed): the provider then calls lost(ctx) once, from any
  *   thread, with none of its locks held, and never after release of that
  *   lease has returned.  NULL member: leases are never lost.
+ * snapshot: calls fn once per holder and per waiter of every key the
+ *   provider knows of (kl_provider_snapshot says in which order), with none
+ *   of the provider's locks held, and stops when fn returns non-zero; KL_OK,
+ *   KL_ENOMEM or KL_EPROVIDER with err filled (NULL member: the provider
+ *   cannot list its locks).  Since 0.1.
  */
 typedef struct {
 	size_t struct_size; /* sizeof(kl_provider_ops): lets it grow */
@@ -320,6 +359,8 @@ typedef struct {
 		      size_t *holders, size_t *waiters, kl_error *err);
 	void (*watch)(void *impl, void *lease, void (*lost)(void *ctx),
 		      void *ctx);
+	int (*snapshot)(void *impl, kl_snapshot_fn fn, void *arg,
+			kl_error *err);
 } kl_provider_ops;
 
 /* Wraps a user provider.  ops is copied (name must stay valid).  KL_EINVAL
@@ -346,11 +387,22 @@ KL_API size_t kl_memory_provider_queue_size(kl_provider *p, const char *key);
  * says why.  Since 0.1. */
 KL_API int kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	KL_ATTR(warn_unused_result);
-/* Holders (0 or 1) and waiters of key as the provider sees them.  KL_OK;
+/* Holders (every one: a key held shared may have many) and waiters of key
+ * as the provider sees them.  KL_OK;
  * KL_EINVAL for NULL arguments; KL_EPROVIDER when the provider cannot tell
  * or could not be asked (err says which).  Since 0.1. */
 KL_API int kl_provider_status(kl_provider *p, const char *key,
 			      size_t *holders, size_t *waiters, kl_error *err);
+/* Lists the locks the provider knows of: fn(info, arg) once per holder and
+ * per waiter, a key's holders first and then its waiters in queue order,
+ * the entries of one key read at one moment (keys not at the same moment).
+ * fn runs in the calling thread with none of the library's locks held and
+ * may call keylock; it stops the walk by returning non-zero (KL_OK still).
+ * Allocates nothing per entry on the caller's side.  KL_OK; KL_EINVAL for
+ * NULL p or fn; KL_ENOMEM; KL_EPROVIDER when the provider cannot list its
+ * locks or could not be asked (err says which).  Since 0.1. */
+KL_API int kl_provider_snapshot(kl_provider *p, kl_snapshot_fn fn, void *arg,
+				kl_error *err);
 /* Frees a provider; no lease may be outstanding.  NULL is ignored. */
 KL_API void kl_provider_free(kl_provider *p);
 
@@ -384,7 +436,7 @@ typedef struct {
 	int64_t ttl_ms;        /* 0: the provider's default; >= 0 */
 	kl_event_fn on_event;
 	void *event_arg;
-	unsigned flags; /* KL_ERRORCHECK */
+	unsigned flags; /* KL_ERRORCHECK, KL_SHARED */
 } kl_lock_opts;
 
 #define KL_LOCK_OPTS_INIT                                                  \

@@ -57,6 +57,7 @@ dist_man_MANS = \
 	man/kl_provider_free.3 \
 	man/kl_provider_new.3 \
 	man/kl_provider_open.3 \
+	man/kl_provider_snapshot.3 \
 	man/kl_provider_status.3 \
 	man/kl_queue_opts_default.3 \
 	man/kl_queue_opts_set_default.3 \

@@ -62,7 +62,7 @@ struct lease_set {
  * the common pairs and triples allocate nothing. */
 #define SET_ON_STACK 4
 
-#define KNOWN_FLAGS KL_ERRORCHECK
+#define KNOWN_FLAGS (KL_ERRORCHECK | KL_SHARED)
 
 /*
  * A lease of kl_lock_acquire from a memory provider, on a lock without an

@@ -56,6 +56,25 @@ kl_provider_status(kl_provider *p, const char *key, size_t *holders,
 	return p->ops.status(p->impl, key, strlen(key), holders, waiters, err);
 }
 
+int
+kl_provider_snapshot(kl_provider *p, kl_snapshot_fn fn, void *arg,
+		     kl_error *err)
+{
+	if (p == NULL || fn == NULL) {
+		kl__error_set(err, KL_EINVAL, "no provider or callback");
+		return KL_EINVAL;
+	}
+	if (p->ops.snapshot == NULL) {
+		kl__error_set(err, KL_EPROVIDER,
+			      "the %s provider cannot list its locks",
+			      p->ops.name != NULL ? p->ops.name : "user");
+		return KL_EPROVIDER;
+	}
+	if (err != NULL)
+		err->status = KL_OK;
+	return p->ops.snapshot(p->impl, fn, arg, err);
+}
+
 void
 kl_provider_free(kl_provider *p)
 {
