@@ -2491,9 +2491,16 @@ cross_main(void *arg)
 		test_sleep_ms(2);
 	if (x->rc_mine == KL_OK) {
 		x->rc_theirs = take(x->p, x->theirs, 3000, NULL, &b, &err);
+		/* Held until both waits have ended, so that neither ends
+		 * by the other's giving up. */
+		atomic_fetch_add(x->ready, 1);
+		while (atomic_load(x->ready) < 4)
+			test_sleep_ms(2);
 		if (x->rc_theirs == KL_OK)
 			drop(&b);
 		drop(&a);
+	} else {
+		atomic_fetch_add(x->ready, 1);
 	}
 	atomic_store(&x->done, true);
 	return NULL;
