@@ -48,8 +48,23 @@
  * it, so the callback never runs after release has returned (except when
  * release is called from the callback itself, which the thread detects).
  *
+ * Modes.  KL_SHARED takes the key with the _shared advisory functions;
+ * the server's one queue per key then orders both modes as the Web Locks
+ * rule says (a request conflicting with a queued one waits behind it, a
+ * release grants every request from the head that conflicts with nothing
+ * ahead), so the provider adds no ordering of its own.  Every grant draws
+ * its own fence after the grant, shared ones too.
+ *
  * A session either waits for one key or holds one, never both, so the
- * server's deadlock detector never sees a cycle (nor breaks one).
+ * server's deadlock detector never sees a cycle among the provider's own
+ * sessions, nor one of threads that wait for each other's keys (the man
+ * page says so).  It can see one through another client's session that
+ * holds a lock while it waits (the fence floor's lock, say): its
+ * deadlock_detected (40P01) is then KL_EDEADLK.
+ *
+ * kl_provider_snapshot reads pg_locks on the aux connection and names
+ * the thread behind each of the provider's own sessions from the lease
+ * list and p->waits.
  *
  * Locks: p->mu guards the pool, the lease list and the lease flags, and is
  * never held during a query, a connect or a callback.  p->aux_mu guards the
