@@ -19,7 +19,11 @@
  * started again (KEYLOCK_TEST_PG_CTL, _DATA, _LOG, _OPTS, _RUNAS; not run
  * without them); T14's provider variant: a forked child using the
  * inherited provider opens backends of its own and leaves the parent's
- * alone.  With KEYLOCK_TEST_PG_AUTH_URI
+ * alone.  Lock modes (KL_SHARED): each case of the Web Locks rule as the
+ * server's queue decides it, fences of mixed and concurrent shared
+ * grants, KL_ERRORCHECK in both modes, kl_provider_snapshot against known
+ * states, the server's 40P01 as KL_EDEADLK, and the cycle of two threads
+ * the server cannot see.  With KEYLOCK_TEST_PG_AUTH_URI
  * (a role with a password, checked by scram or md5) the wrong-password case
  * runs against real password authentication.
  *
