@@ -2014,6 +2014,14 @@ take_mode_ok(kl_provider *p, const char *key, int64_t timeout_ms,
 		      flags, kl_strerror(rc), err.message);
 }
 
+/* Releases what a joined waiter holds, keeping its record. */
+static void
+waiter_drop(struct waiter *w)
+{
+	if (w->h.lease != NULL)
+		drop(&w->h);
+}
+
 /* A waiter that must have been granted: joined, KL_OK. */
 static void
 waiter_granted(struct waiter *w, const char *what)
@@ -2092,9 +2100,10 @@ START_TEST(test_shared_waits_behind_queued_exclusive)
 	wait_status(p, key, 1, 1);
 	ck_assert(!waiter_done(ws));
 	ck_assert_uint_gt(wx->fence, fs);
-	waiter_free(wx);
+	waiter_drop(wx);
 	waiter_granted(ws, "shared waiter");
 	ck_assert_uint_gt(ws->fence, wx->fence);
+	waiter_free(wx);
 	waiter_free(ws);
 	wait_server_locks(key, 0, 0);
 	kl_provider_free(p);
@@ -2128,19 +2137,20 @@ START_TEST(test_shared_run_granted_together)
 	ck_assert_uint_gt(w[0]->fence, fx);
 	ck_assert_uint_gt(w[1]->fence, fx);
 	ck_assert_uint_ne(w[0]->fence, w[1]->fence);
-	waiter_free(w[0]);
+	waiter_drop(w[0]);
 	wait_status(p, key, 1, 2);
 	ck_assert(!waiter_done(w[2]));
-	waiter_free(w[1]);
+	waiter_drop(w[1]);
 	waiter_granted(w[2], "exclusive 2");
 	wait_status(p, key, 1, 1);
 	ck_assert(!waiter_done(w[3]));
 	ck_assert_uint_gt(w[2]->fence, w[0]->fence);
 	ck_assert_uint_gt(w[2]->fence, w[1]->fence);
-	waiter_free(w[2]);
+	waiter_drop(w[2]);
 	waiter_granted(w[3], "shared 3");
 	ck_assert_uint_gt(w[3]->fence, w[2]->fence);
-	waiter_free(w[3]);
+	for (int i = 0; i < 4; i++)
+		waiter_free(w[i]);
 	wait_server_locks(key, 0, 0);
 	kl_provider_free(p);
 }
