@@ -37,8 +37,14 @@
  * false and KL_EV_LOST is raised.  Fences come from the sequence
  * keylock_fence, created when missing (CREATE on the schema is needed
  * then; else create it beforehand and grant USAGE on it).  KL_ERRORCHECK
- * is honoured per provider object: a thread that holds a key through this
- * provider and asks for it again gets KL_EDEADLK.  Passwords never appear
+ * is honoured per provider object, in both modes: a thread that holds a
+ * key through this provider and asks for it again gets KL_EDEADLK.
+ * KL_SHARED takes keys with pg_advisory_lock_shared; the server's queue
+ * orders both modes (a shared request never passes a queued exclusive
+ * one).  The server's deadlock_detected is KL_EDEADLK, but it sees no
+ * cycle of threads that wait for each other's keys (each wait and lease
+ * has its own session).  kl_provider_snapshot lists pg_locks' advisory
+ * locks of the database, with key NULL (only the id reaches the server).  Passwords never appear
  * in error messages.  After fork() the child should open its own
  * provider; one inherited never writes on the parent's connections (it
  * opens new ones), and a lease the parent held cannot be released there.

@@ -226,8 +226,10 @@ kl__pg_conn_open(struct kl__pg *p, kl_cancel *cancel, struct kl__pg_conn **out,
 /* ------------------------------------------------------------------ */
 /* Queries                                                             */
 
-static void
-take_result(struct kl__pg_answer *a, PGresult *r)
+/* Reads r into a; with rows, a set of rows is kept there (the last one
+ * wins) and true returned: the caller must not clear r. */
+static bool
+take_result(struct kl__pg_answer *a, PGresult *r, PGresult **rows)
 {
 	const char *s;
 
@@ -235,6 +237,11 @@ take_result(struct kl__pg_answer *a, PGresult *r)
 	case PGRES_COMMAND_OK:
 		break;
 	case PGRES_TUPLES_OK:
+		if (rows != NULL) {
+			PQclear(*rows);
+			*rows = r;
+			return true;
+		}
 		a->nvals = 0;
 		if (PQntuples(r) < 1)
 			break;
@@ -260,6 +267,7 @@ take_result(struct kl__pg_answer *a, PGresult *r)
 			 s != NULL && s[0] != '\0' ? s : "unexpected result");
 		break;
 	}
+	return false;
 }
 
 static bool
@@ -288,10 +296,11 @@ send_cancel(PGconn *pg)
  * with c->broken set and err filled: the connection, and any lock it held,
  * must be dropped.
  */
-int
-kl__pg_run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
-	     const char *stmt, int64_t id, int64_t deadline, int late,
-	     kl_cancel *cancel, struct kl__pg_answer *a, kl_error *err)
+static int
+run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
+      const char *stmt, int64_t id, int64_t deadline, int late,
+      kl_cancel *cancel, struct kl__pg_answer *a, PGresult **rows,
+      kl_error *err)
 {
 	PGconn *pg = c->pg;
 	int64_t give_up = KL__PG_NO_DEADLINE, until;
@@ -320,8 +329,8 @@ kl__pg_run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 		while (!PQisBusy(pg)) {
 			if ((r = PQgetResult(pg)) == NULL)
 				goto done;
-			take_result(a, r);
-			PQclear(r);
+			if (!take_result(a, r, rows))
+				PQclear(r);
 		}
 		if (a->stopped == 0) {
 			if (kl_cancel_fired(cancel))
@@ -376,6 +385,40 @@ done:
 				   a->failed ? a->message : PQerrorMessage(pg));
 	}
 	return KL_OK;
+}
+
+int
+kl__pg_run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
+	     const char *stmt, int64_t id, int64_t deadline, int late,
+	     kl_cancel *cancel, struct kl__pg_answer *a, kl_error *err)
+{
+	return run_q(p, c, sql, stmt, id, deadline, late, cancel, a, NULL,
+		     err);
+}
+
+/* A short query of text sql whose rows the caller reads: KL_OK with *rows
+ * (the last set of rows; the caller clears it), or KL_EPROVIDER with
+ * *rows NULL and, unless the server refused the statement, c->broken
+ * set. */
+int
+kl__pg_run_rows(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
+		PGresult **rows, kl_error *err)
+{
+	struct kl__pg_answer a;
+	int rc;
+
+	*rows = NULL;
+	rc = run_q(p, c, sql, NULL, 0, kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+		   KL_EPROVIDER, NULL, &a, rows, err);
+	if (rc == KL_OK && (a.failed || *rows == NULL)) {
+		rc = kl__pg_fail(p, err, KL_EPROVIDER, "%s",
+				 a.failed ? a.message : "unexpected answer");
+	}
+	if (rc != KL_OK) {
+		PQclear(*rows);
+		*rows = NULL;
+	}
+	return rc;
 }
 
 /* kl__pg_run_q of the text sql. */

@@ -45,8 +45,8 @@ struct kl__pg_conn {
 	bool broken;              /* must be closed, not reused */
 	bool prepared;            /* SETUP_SQL has run: the session has
 				     statement_timeout 0 and the statements
-				     STMT_TRY and STMT_UNLOCK
-				     (provider_pg.c) */
+				     STMT_TRY, STMT_UNLOCK and their shared
+				     twins (provider_pg.c) */
 	/* The session's settings as the last wait left them, so that the
 	 * next wait sends only what differs: statement_timeout is 0, and
 	 * lock_timeout (ms; -1: unknown). */
@@ -63,6 +63,12 @@ struct kl__pg_lease {
 	int64_t id;
 	uint64_t check; /* a second hash of the key, for KL_ERRORCHECK */
 	uint64_t owner; /* thread_id() of the thread that acquired it */
+	bool shared;    /* taken with KL_SHARED */
+	/* For kl_provider_snapshot: who took it, and when. */
+	int backend;     /* the server process of conn */
+	int64_t tid;     /* gettid() of the thread that acquired it */
+	int64_t granted_ns;
+	uint64_t fence;
 	/* Under p->mu. */
 	bool lost;
 	bool busy;      /* the health thread pings it or reports it lost */
@@ -73,6 +79,15 @@ struct kl__pg_lease {
 	void (*lost_fn)(void *ctx);
 	void *lost_ctx;
 	char why[160]; /* why it was lost */
+};
+
+/* A call waiting for a key on its own session, on its stack, in
+ * p->waits (under p->mu), so that kl_provider_snapshot can name the
+ * thread behind the server process that waits. */
+struct kl__pg_wait {
+	struct kl__pg_wait *next;
+	int backend;
+	int64_t tid;
 };
 
 /* The provider. */
@@ -94,6 +109,7 @@ struct kl__pg {
 	struct kl__pg_conn *idle;
 	struct kl__pg_slot_waiter *wq_head, *wq_tail;
 	struct kl__pg_lease *leases;
+	struct kl__pg_wait *waits;
 	unsigned round;
 	bool stop;
 	pthread_t health;
@@ -110,7 +126,7 @@ struct kl__pg {
 	 * and created again, or set back, behind a session's floor. */
 	int64_t fence_min;
 	/* What a new session runs, once, in front of its first STMT_TRY. */
-	char setup_sql[4096];
+	char setup_sql[6144];
 };
 
 /* What the server answered to one query string. */
@@ -172,6 +188,12 @@ KL__PG_HIDDEN int kl__pg_run_q(struct kl__pg *p, struct kl__pg_conn *c,
 			       const char *sql, const char *stmt, int64_t id,
 			       int64_t deadline, int late, kl_cancel *cancel,
 			       struct kl__pg_answer *a, kl_error *err);
+/* A short query of text sql whose rows the caller reads: KL_OK with *rows
+ * (the last set of rows; the caller clears it), or KL_EPROVIDER with
+ * *rows NULL. */
+KL__PG_HIDDEN int kl__pg_run_rows(struct kl__pg *p, struct kl__pg_conn *c,
+				  const char *sql, PGresult **rows,
+				  kl_error *err);
 /* kl__pg_run_q of the text sql. */
 KL__PG_HIDDEN int kl__pg_run(struct kl__pg *p, struct kl__pg_conn *c,
 			     const char *sql, int64_t deadline, int late,
@@ -210,5 +232,9 @@ KL__PG_HIDDEN bool kl__pg_on_health_thread(struct kl__pg *p);
 KL__PG_HIDDEN int kl__pg_aux_run(struct kl__pg *p, const char *sql,
 				 bool strict, struct kl__pg_answer *a,
 				 kl_error *err);
+
+/* kl__pg_run_rows on the aux connection, opening it when needed. */
+KL__PG_HIDDEN int kl__pg_aux_rows(struct kl__pg *p, const char *sql,
+				  PGresult **rows, kl_error *err);
 
 #endif /* KL_PG_INTERNAL_H */

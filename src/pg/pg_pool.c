@@ -264,9 +264,28 @@ kl__pg_health_main(void *arg)
 /* Runs sql on the aux connection, opening it when needed; with strict, a
  * failed statement is KL_EPROVIDER, else the caller reads a->failed.  A
  * broken connection is closed, to be opened again next time. */
+static int aux_do(struct kl__pg *p, const char *sql, bool strict,
+		  struct kl__pg_answer *a, PGresult **rows, kl_error *err);
+
 int
 kl__pg_aux_run(struct kl__pg *p, const char *sql, bool strict,
 	       struct kl__pg_answer *a, kl_error *err)
+{
+	return aux_do(p, sql, strict, a, NULL, err);
+}
+
+int
+kl__pg_aux_rows(struct kl__pg *p, const char *sql, PGresult **rows,
+		kl_error *err)
+{
+	struct kl__pg_answer a;
+
+	return aux_do(p, sql, true, &a, rows, err);
+}
+
+static int
+aux_do(struct kl__pg *p, const char *sql, bool strict,
+       struct kl__pg_answer *a, PGresult **rows, kl_error *err)
 {
 	struct kl__pg_conn *c;
 	bool fresh, stale;
@@ -283,7 +302,9 @@ kl__pg_aux_run(struct kl__pg *p, const char *sql, bool strict,
 		    (rc = kl__pg_conn_open(p, NULL, &p->aux, err)) != KL_OK)
 			break;
 		c = p->aux;
-		if (strict)
+		if (rows != NULL)
+			rc = kl__pg_run_rows(p, c, sql, rows, err);
+		else if (strict)
 			rc = kl__pg_run_short(p, c, sql, a, err);
 		else
 			rc = kl__pg_run(

@@ -48,8 +48,23 @@
  * it, so the callback never runs after release has returned (except when
  * release is called from the callback itself, which the thread detects).
  *
+ * Modes.  KL_SHARED takes the key with the _shared advisory functions;
+ * the server's one queue per key then orders both modes as the Web Locks
+ * rule says (a request conflicting with a queued one waits behind it, a
+ * release grants every request from the head that conflicts with nothing
+ * ahead), so the provider adds no ordering of its own.  Every grant draws
+ * its own fence after the grant, shared ones too.
+ *
  * A session either waits for one key or holds one, never both, so the
- * server's deadlock detector never sees a cycle (nor breaks one).
+ * server's deadlock detector never sees a cycle among the provider's own
+ * sessions, nor one of threads that wait for each other's keys (the man
+ * page says so).  It can see one through another client's session that
+ * holds a lock while it waits (the fence floor's lock, say): its
+ * deadlock_detected (40P01) is then KL_EDEADLK.
+ *
+ * kl_provider_snapshot reads pg_locks on the aux connection and names
+ * the thread behind each of the provider's own sessions from the lease
+ * list and p->waits.
  *
  * Locks: p->mu guards the pool, the lease list and the lease flags, and is
  * never held during a query, a connect or a callback.  p->aux_mu guards the
@@ -68,6 +83,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <libpq-fe.h>
@@ -87,6 +103,8 @@
 /* The prepared statements of each pooled session (SETUP_SQL). */
 #define STMT_TRY "keylock_try"
 #define STMT_UNLOCK "keylock_unlock"
+#define STMT_TRY_SHARED "keylock_try_shared"
+#define STMT_UNLOCK_SHARED "keylock_unlock_shared"
 
 /* "keylock advisory" and "keylock errcheck" as little-endian words. */
 #define ID_K0 0x206b636f6c79656bULL
@@ -140,6 +158,25 @@ key_check(const char *key, size_t len)
 	return kl__siphash24(CHECK_K0, CHECK_K1, key, len);
 }
 
+/* A printable, shortened form of key for a message (size > 8); the
+ * library's own is hidden in libkeylock. */
+static void
+printable(char *buf, size_t size, const char *key, size_t len)
+{
+	size_t i, n = 0, room = size - 4;
+
+	for (i = 0; key != NULL && i < len && n < room; i++) {
+		unsigned char ch = (unsigned char)key[i];
+
+		buf[n++] = (char)(ch >= 0x20 && ch < 0x7f ? ch : '?');
+	}
+	if (key != NULL && i < len) {
+		memcpy(buf + n, "...", 3);
+		n += 3;
+	}
+	buf[n] = '\0';
+}
+
 /* ------------------------------------------------------------------ */
 /* Acquire                                                             */
 
@@ -174,23 +211,30 @@ lock_error(struct kl__pg *p, struct kl__pg_conn *c,
  * releases.
  */
 #define TRY_SQL                                                              \
-	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock(%s) THEN %s END"
+	"SELECT CASE WHEN pg_catalog.pg_try_advisory_lock%s(%s) THEN %s END"
 
 static int
 make_setup_sql(struct kl__pg *p)
 {
-	char try[sizeof p->fence.draw + 80];
+	char try[sizeof p->fence.draw + 80], try_s[sizeof try];
 	int n;
 
-	n = snprintf(try, sizeof try, TRY_SQL, "$1", p->fence.draw);
+	n = snprintf(try, sizeof try, TRY_SQL, "", "$1", p->fence.draw);
 	if (n < 0 || (size_t)n >= sizeof try)
+		return -1;
+	n = snprintf(try_s, sizeof try_s, TRY_SQL, "_shared", "$1",
+		     p->fence.draw);
+	if (n < 0 || (size_t)n >= sizeof try_s)
 		return -1;
 	n = snprintf(p->setup_sql, sizeof p->setup_sql,
 		     "SET statement_timeout = 0; SET synchronous_commit = off; "
-		     "PREPARE " STMT_TRY "(bigint) AS %s; PREPARE " STMT_UNLOCK
-		     "(bigint) AS SELECT "
-		     "pg_catalog.pg_advisory_unlock($1)::int; %s",
-		     try, p->fence.floor);
+		     "PREPARE " STMT_TRY "(bigint) AS %s; "
+		     "PREPARE " STMT_TRY_SHARED "(bigint) AS %s; "
+		     "PREPARE " STMT_UNLOCK "(bigint) AS SELECT "
+		     "pg_catalog.pg_advisory_unlock($1)::int; "
+		     "PREPARE " STMT_UNLOCK_SHARED "(bigint) AS SELECT "
+		     "pg_catalog.pg_advisory_unlock_shared($1)::int; %s",
+		     try, try_s, p->fence.floor);
 	return n < 0 || (size_t)n >= sizeof p->setup_sql ? -1 : 0;
 }
 
@@ -200,8 +244,10 @@ make_setup_sql(struct kl__pg *p)
 /*
  * Settles the answer a to STMT_TRY or to a wait, rc being what kl__pg_run_q
  * returned.  KL_OK with *fence; NOT_GRANTED: the try found the key taken;
- * KL_ETIMEDOUT, KL_ECANCELED with c holding no lock; KL_EPROVIDER.
- * c->broken is set when c must be closed (which drops any lock it holds).
+ * KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK (the server's deadlock
+ * detector ended the wait; err not filled) with c holding no lock;
+ * KL_EPROVIDER.  c->broken is set when c must be closed (which drops any
+ * lock it holds).
  */
 static int
 lock_answer(struct kl__pg *p, struct kl__pg_conn *c, int rc,
@@ -227,6 +273,19 @@ lock_answer(struct kl__pg *p, struct kl__pg_conn *c, int rc,
 			/* The cancel request may still be pending. */
 			c->broken = true;
 			return kl__pg_fail(p, err, a->stopped, NULL);
+		}
+		if (strcmp(a->sqlstate, "40P01") == 0) {
+			/* deadlock_detected: the server chose this wait to
+			 * break a cycle of sessions.  As for lock_timeout,
+			 * the key may have been granted before the draw
+			 * waited (a session lock outlives the failed
+			 * transaction): drop what the session holds.  The
+			 * caller names the key. */
+			if (PQtransactionStatus(c->pg) != PQTRANS_IDLE)
+				c->broken = true;
+			else
+				kl__pg_unlock_all(p, c);
+			return KL_EDEADLK;
 		}
 		if (strcmp(a->sqlstate, "55P03") == 0) {
 			/* lock_timeout.  Mostly the advisory lock's wait;
@@ -289,8 +348,8 @@ lock_answer(struct kl__pg *p, struct kl__pg_conn *c, int rc,
  * follow, as one simple-query string.
  */
 static int
-lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
-	kl_cancel *cancel, uint64_t *fence, kl_error *err)
+lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, bool shared,
+	int64_t deadline, kl_cancel *cancel, uint64_t *fence, kl_error *err)
 {
 	struct kl__pg_answer a;
 	char sql[sizeof p->setup_sql + sizeof p->fence.draw + 160], set[96],
@@ -305,8 +364,8 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 		deadline != KL__PG_NO_DEADLINE && deadline <= kl__pg_now_ns();
 	if ((setup = !c->prepared)) {
 		snprintf(idbuf, sizeof idbuf, "%" PRId64, id);
-		snprintf(sql, sizeof sql, "%s" TRY_SQL, p->setup_sql, idbuf,
-			 p->fence.draw);
+		snprintf(sql, sizeof sql, "%s" TRY_SQL, p->setup_sql,
+			 shared ? "_shared" : "", idbuf, p->fence.draw);
 		rc = kl__pg_run(p, c, sql,
 				kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
 				KL_EPROVIDER, cancel, &a, err);
@@ -315,7 +374,8 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 			c->no_statement_timeout = true;
 		}
 	} else {
-		rc = kl__pg_run_q(p, c, NULL, STMT_TRY, id,
+		rc = kl__pg_run_q(p, c, NULL,
+				  shared ? STMT_TRY_SHARED : STMT_TRY, id,
 				  kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
 				  KL_EPROVIDER, cancel, &a, err);
 	}
@@ -378,9 +438,9 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 		snprintf(set + strlen(set), sizeof set - strlen(set),
 			 "SET lock_timeout = %" PRId64 "; ", left_ms);
 	snprintf(sql, sizeof sql,
-		 "%sWITH l AS (SELECT pg_catalog.pg_advisory_lock(%" PRId64
+		 "%sWITH l AS (SELECT pg_catalog.pg_advisory_lock%s(%" PRId64
 		 ")) SELECT %s FROM l",
-		 set, id, p->fence.draw);
+		 set, shared ? "_shared" : "", id, p->fence.draw);
 	rc = kl__pg_run(p, c, sql, client_deadline, late, cancel, &a, err);
 	/* A failed statement rolls the implicit transaction back, and the
 	 * SETs sent in it: those settings are then unknown.  Those of
@@ -416,6 +476,12 @@ held_by_caller(struct kl__pg *p, int64_t id, uint64_t check)
 	return found;
 }
 
+static int64_t
+gettid_now(void)
+{
+	return (int64_t)syscall(SYS_gettid);
+}
+
 static int
 pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
@@ -424,6 +490,7 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	struct kl__pg *p = impl;
 	struct kl__pg_lease *l;
 	struct kl__pg_conn *c;
+	struct kl__pg_wait w, **pw;
 	int64_t deadline;
 	uint64_t got = 0;
 	bool fresh, stale;
@@ -441,6 +508,11 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	l->id = kl_pg_key_id(key, key_len);
 	l->check = key_check(key, key_len);
 	l->owner = thread_id();
+	l->shared = (flags & KL_SHARED) != 0;
+	l->tid = gettid_now();
+	/* Either mode: a thread that holds the key, shared or not, and
+	 * asks again would wait for itself (or, shared twice, hold it
+	 * twice). */
 	if ((flags & KL_ERRORCHECK) != 0 &&
 	    held_by_caller(p, l->id, l->check)) {
 		free(l);
@@ -451,6 +523,7 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		free(l);
 		return kl__pg_fail(p, err, rc, NULL);
 	}
+	w.tid = l->tid;
 	for (;;) {
 		fresh = c == NULL;
 		if (fresh &&
@@ -459,7 +532,18 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			free(l);
 			return rc;
 		}
-		rc = lock_on(p, c, l->id, deadline, cancel, &got, err);
+		w.backend = PQbackendPID(c->pg);
+		pthread_mutex_lock(&p->mu);
+		w.next = p->waits;
+		p->waits = &w;
+		pthread_mutex_unlock(&p->mu);
+		rc = lock_on(p, c, l->id, l->shared, deadline, cancel, &got,
+			     err);
+		pthread_mutex_lock(&p->mu);
+		for (pw = &p->waits; *pw != &w; pw = &(*pw)->next)
+			;
+		*pw = w.next;
+		pthread_mutex_unlock(&p->mu);
 		/* An idle connection that died meanwhile (a server
 		 * restart) held nothing: try once more on a new one. */
 		stale = !fresh && c->broken && rc == KL_EPROVIDER &&
@@ -469,12 +553,25 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		kl__pg_conn_close(c);
 		c = NULL;
 	}
+	if (rc == KL_EDEADLK) {
+		char shown[72];
+
+		printable(shown, sizeof shown, key, key_len);
+		kl__pg_fail(p, err, KL_EDEADLK,
+			    "deadlock detected by the server while waiting "
+			    "for key '%s' (advisory lock %" PRId64
+			    "); this wait was chosen to break it",
+			    shown, l->id);
+	}
 	if (rc != KL_OK) {
 		kl__pg_slot_put(p, c);
 		free(l);
 		return rc;
 	}
 	l->conn = c;
+	l->backend = PQbackendPID(c->pg);
+	l->granted_ns = kl__pg_now_ns();
+	l->fence = got;
 	pthread_mutex_lock(&p->mu);
 	l->next = p->leases;
 	if (p->leases != NULL)
@@ -530,8 +627,9 @@ pg_release(void *impl, void *handle, kl_error *err)
 	} else {
 		/* lock_on readied the session (SETUP_SQL): one
 		 * prepared statement. */
-		rc = kl__pg_run_short_q(p, c, NULL, STMT_UNLOCK, l->id, &a,
-					err);
+		rc = kl__pg_run_short_q(
+			p, c, NULL, l->shared ? STMT_UNLOCK_SHARED : STMT_UNLOCK,
+			l->id, &a, err);
 		if (rc == KL_OK && (a.nvals < 1 || a.null[0])) {
 			c->broken = true;
 			rc = kl__pg_fail(p, err, KL_EPROVIDER,
@@ -616,6 +714,125 @@ pg_status(void *impl, const char *key, size_t key_len, size_t *holders,
 		return kl__pg_fail(p, err, KL_EPROVIDER, "unexpected answer");
 	*holders = (size_t)a.val[0];
 	*waiters = (size_t)a.val[1];
+	return KL_OK;
+}
+
+/* ------------------------------------------------------------------ */
+/* Snapshot                                                            */
+
+/*
+ * Every session advisory lock of the bigint key space (objsubid 1) in the
+ * current database, from one read of pg_locks: a key's holders first,
+ * then its waiters by the time each started to wait (pg_locks.waitstart,
+ * PostgreSQL 14 and later; read through to_jsonb so that an older server,
+ * which lacks it, gives NULL instead of an error).  PostgreSQL does not
+ * show its queue itself; waitstart follows it.  A holder's time is the
+ * lower bound pg_stat_activity gives: since its transaction began, or
+ * since its last statement ended when it is idle; the provider's own
+ * leases use their grant time instead.
+ */
+#define SNAPSHOT_SQL                                                          \
+	"SELECT l.classid::bigint, l.objid::bigint, l.pid, "                    \
+	"(l.mode = 'ShareLock')::int, l.granted::int, "                         \
+	"(EXTRACT(epoch FROM pg_catalog.clock_timestamp() - CASE WHEN "         \
+	"l.granted THEN COALESCE(a.xact_start, a.state_change) ELSE "           \
+	"(pg_catalog.to_jsonb(l) ->> 'waitstart')::timestamptz END) * "         \
+	"1000)::bigint "                                                        \
+	"FROM pg_catalog.pg_locks l LEFT JOIN pg_catalog.pg_stat_activity a "   \
+	"ON a.pid = l.pid WHERE l.locktype = 'advisory' AND l.objsubid = 1 "    \
+	"AND l.database = (SELECT oid FROM pg_catalog.pg_database WHERE "       \
+	"datname = pg_catalog.current_database()) "                             \
+	"ORDER BY l.classid, l.objid, l.granted DESC, "                         \
+	"(pg_catalog.to_jsonb(l) ->> 'waitstart')::timestamptz NULLS LAST, "    \
+	"l.pid"
+
+static int64_t
+cell(const PGresult *r, int row, int col, int64_t null)
+{
+	if (PQgetisnull(r, row, col))
+		return null;
+	return strtoll(PQgetvalue(r, row, col), NULL, 10);
+}
+
+/* Fills in what the provider itself knows of the server process backend
+ * that holds or waits for id: its own lease, or its own wait. */
+static void
+own_entry(struct kl__pg *p, int backend, int64_t id, kl_lock_info *info)
+{
+	pthread_mutex_lock(&p->mu);
+	if (!info->waiting) {
+		for (struct kl__pg_lease *l = p->leases; l != NULL;
+		     l = l->next)
+			if (l->backend == backend && l->id == id &&
+			    !l->releasing && !l->lost) {
+				info->pid = (int64_t)getpid();
+				info->tid = l->tid;
+				info->fence = l->fence;
+				info->elapsed_ms = (kl__pg_now_ns() -
+						    l->granted_ns) /
+						   1000000;
+				break;
+			}
+	} else {
+		for (struct kl__pg_wait *w = p->waits; w != NULL; w = w->next)
+			if (w->backend == backend) {
+				info->pid = (int64_t)getpid();
+				info->tid = w->tid;
+				break;
+			}
+	}
+	pthread_mutex_unlock(&p->mu);
+}
+
+static int
+pg_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	struct kl__pg *p = impl;
+	PGresult *r;
+	kl_lock_info info;
+	char detail[128];
+	int64_t prev = 0, id;
+	uint64_t u;
+	size_t position = 0;
+	int rc, backend;
+
+	if ((rc = kl__pg_aux_rows(p, SNAPSHOT_SQL, &r, err)) != KL_OK)
+		return rc;
+	if (PQnfields(r) < 6) {
+		PQclear(r);
+		return kl__pg_fail(p, err, KL_EPROVIDER, "unexpected answer");
+	}
+	/* No lock of the provider is held from here on. */
+	for (int i = 0; i < PQntuples(r); i++) {
+		u = (uint64_t)cell(r, i, 0, 0) << 32 |
+		    ((uint64_t)cell(r, i, 1, 0) & 0xffffffffu);
+		memcpy(&id, &u, sizeof id);
+		if (i == 0 || id != prev)
+			position = 0;
+		prev = id;
+		backend = (int)cell(r, i, 2, 0);
+		memset(&info, 0, sizeof info);
+		info.key = NULL;
+		info.key_len = 0;
+		info.shared = cell(r, i, 3, 0) != 0;
+		info.waiting = cell(r, i, 4, 1) == 0;
+		info.pid = backend;
+		info.tid = 0;
+		info.fence = 0;
+		info.elapsed_ms = cell(r, i, 5, -1);
+		if (info.elapsed_ms < -1)
+			info.elapsed_ms = 0; /* clocks of two moments */
+		info.position = info.waiting ? position++ : 0;
+		own_entry(p, backend, id, &info);
+		snprintf(detail, sizeof detail,
+			 "advisory lock %" PRId64 " (classid %" PRIu32
+			 ", objid %" PRIu32 "), server process %d",
+			 id, (uint32_t)(u >> 32), (uint32_t)u, backend);
+		info.detail = detail;
+		if (fn(&info, arg) != 0)
+			break;
+	}
+	PQclear(r);
 	return KL_OK;
 }
 
@@ -731,6 +948,7 @@ static const kl_provider_ops pg_ops = {
 	.destroy = pg_destroy,
 	.status = pg_status,
 	.watch = pg_watch,
+	.snapshot = pg_snapshot,
 };
 
 int

@@ -19,7 +19,11 @@
  * started again (KEYLOCK_TEST_PG_CTL, _DATA, _LOG, _OPTS, _RUNAS; not run
  * without them); T14's provider variant: a forked child using the
  * inherited provider opens backends of its own and leaves the parent's
- * alone.  With KEYLOCK_TEST_PG_AUTH_URI
+ * alone.  Lock modes (KL_SHARED): each case of the Web Locks rule as the
+ * server's queue decides it, fences of mixed and concurrent shared
+ * grants, KL_ERRORCHECK in both modes, kl_provider_snapshot against known
+ * states, the server's 40P01 as KL_EDEADLK, and the cycle of two threads
+ * the server cannot see.  With KEYLOCK_TEST_PG_AUTH_URI
  * (a role with a password, checked by scram or md5) the wrong-password case
  * runs against real password authentication.
  *
@@ -53,6 +57,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -394,12 +399,15 @@ struct waiter {
 	bool release;
 	struct shared *sh;
 	int iters; /* > 1: acquire and release that many times */
+	unsigned flags; /* KL_SHARED, KL_ERRORCHECK */
 	pthread_t th;
 	struct hold h;
 	int rc;
 	kl_error err;
 	int rank;
 	int64_t start_ns, end_ns;
+	atomic_llong tid; /* gettid() of the thread */
+	uint64_t fence;
 	atomic_bool done;
 };
 
@@ -410,13 +418,15 @@ waiter_main(void *arg)
 	int n = w->iters > 0 ? w->iters : 1;
 
 	w->rank = -1;
+	atomic_store(&w->tid, (long long)syscall(SYS_gettid));
 	for (int i = 0; i < n; i++) {
 		w->start_ns = now_ns();
-		w->rc = take(w->p, w->key, w->timeout_ms, w->cancel, &w->h,
-			     &w->err);
+		w->rc = take_ev(w->p, w->key, w->timeout_ms, w->cancel,
+				w->flags, NULL, &w->h, &w->err);
 		w->end_ns = now_ns();
 		if (w->rc != KL_OK)
 			break;
+		w->fence = kl_lease_fence(w->h.lease);
 		if (w->sh != NULL) {
 			w->rank = atomic_fetch_add(&w->sh->seq, 1);
 			if (atomic_fetch_add(&w->sh->inside, 1) != 0)
@@ -433,8 +443,9 @@ waiter_main(void *arg)
 }
 
 static struct waiter *
-waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
-	     kl_cancel *c, bool release, struct shared *sh)
+waiter_start_flags(kl_provider *p, const char *key, int64_t timeout_ms,
+		   kl_cancel *c, bool release, struct shared *sh,
+		   unsigned flags)
 {
 	struct waiter *w = calloc(1, sizeof *w);
 
@@ -445,9 +456,17 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 	w->cancel = c;
 	w->release = release;
 	w->sh = sh;
+	w->flags = flags;
 	atomic_init(&w->done, false);
 	test_thread_start(&w->th, waiter_main, w);
 	return w;
+}
+
+static struct waiter *
+waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
+	     kl_cancel *c, bool release, struct shared *sh)
+{
+	return waiter_start_flags(p, key, timeout_ms, c, release, sh, 0);
 }
 
 static bool
@@ -1959,6 +1978,586 @@ START_TEST(test_fences_grow_across_a_crash)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Lock modes (KL_SHARED), snapshot, deadlocks                         */
+
+/* How many entries pg_locks has for key in mode, granted or waiting. */
+static long long
+server_mode_count(const char *key, const char *mode, bool granted)
+{
+	uint64_t id = (uint64_t)kl_pg_key_id(key, strlen(key));
+	char sql[512];
+
+	snprintf(sql, sizeof sql,
+		 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' "
+		 "AND classid = %" PRIu32 "::bigint::text::oid AND objid = %" PRIu32
+		 "::bigint::text::oid AND objsubid = 1 AND mode = '%s' AND %s",
+		 (uint32_t)(id >> 32), (uint32_t)id, mode,
+		 granted ? "granted" : "NOT granted");
+	return admin_int(sql);
+}
+
+static int
+take_mode(kl_provider *p, const char *key, int64_t timeout_ms, unsigned flags,
+	  struct hold *h, kl_error *err)
+{
+	return take_ev(p, key, timeout_ms, NULL, flags, NULL, h, err);
+}
+
+static void
+take_mode_ok(kl_provider *p, const char *key, int64_t timeout_ms,
+	     unsigned flags, struct hold *h)
+{
+	kl_error err;
+	int rc = take_mode(p, key, timeout_ms, flags, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "acquire '%s' (flags %u): %s: %s", key,
+		      flags, kl_strerror(rc), err.message);
+}
+
+/* Releases what a joined waiter holds, keeping its record. */
+static void
+waiter_drop(struct waiter *w)
+{
+	if (w->h.lease != NULL)
+		drop(&w->h);
+}
+
+/* A waiter that must have been granted: joined, KL_OK. */
+static void
+waiter_granted(struct waiter *w, const char *what)
+{
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_OK, "%s: %s: %s", what, kl_strerror(w->rc),
+		      w->err.message);
+}
+
+/* Shared requests are granted together, each with its own fence (the
+ * later grant the larger), counted by status, shown as ShareLock; an
+ * exclusive request is not grantable until every one has gone. */
+START_TEST(test_shared_holders_together)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("shared");
+	struct hold s1, s2, x;
+	kl_error err;
+	uint64_t f1, f2;
+	int rc;
+
+	take_mode_ok(p, key, 0, KL_SHARED, &s1);
+	/* Timeout 0 (ifAvailable): grantable at once beside a shared
+	 * holder. */
+	take_mode_ok(p, key, 0, KL_SHARED, &s2);
+	f1 = kl_lease_fence(s1.lease);
+	f2 = kl_lease_fence(s2.lease);
+	ck_assert_msg(f1 > 0 && f2 > f1, "fences %" PRIu64 ", %" PRIu64, f1,
+		      f2);
+	wait_status(p, key, 2, 0);
+	ck_assert_int_eq(server_mode_count(key, "ShareLock", true), 2);
+	rc = take_mode(p, key, 0, 0, &x, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "%s", kl_strerror(rc));
+	drop(&s1);
+	rc = take_mode(p, key, 0, 0, &x, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "%s", kl_strerror(rc));
+	drop(&s2);
+	take_mode_ok(p, key, 0, 0, &x);
+	ck_assert_uint_gt(kl_lease_fence(x.lease), f2);
+	ck_assert_int_eq(server_mode_count(key, "ExclusiveLock", true), 1);
+	drop(&x);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A shared request never passes a queued exclusive one: not with a wait,
+ * nor with timeout 0, though the key is held shared only. */
+START_TEST(test_shared_waits_behind_queued_exclusive)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("nobarge");
+	struct hold s1, s2, t;
+	struct waiter *wx, *ws;
+	uint64_t fs;
+	kl_error err;
+	int rc;
+
+	take_mode_ok(p, key, 0, KL_SHARED, &s1);
+	take_mode_ok(p, key, 0, KL_SHARED, &s2);
+	fs = kl_lease_fence(s2.lease);
+	wx = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL, 0);
+	wait_status(p, key, 2, 1);
+	rc = take_mode(p, key, 0, KL_SHARED, &t, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "a shared try passed a queued "
+		      "exclusive request: %s", kl_strerror(rc));
+	ws = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL,
+				KL_SHARED);
+	wait_status(p, key, 2, 2);
+	/* One shared holder left: the shared waiter still waits behind the
+	 * exclusive one (else the state would be 2 holders, 1 waiter). */
+	drop(&s1);
+	wait_status(p, key, 1, 2);
+	drop(&s2);
+	waiter_granted(wx, "exclusive waiter");
+	wait_status(p, key, 1, 1);
+	ck_assert(!waiter_done(ws));
+	ck_assert_uint_gt(wx->fence, fs);
+	waiter_drop(wx);
+	waiter_granted(ws, "shared waiter");
+	ck_assert_uint_gt(ws->fence, wx->fence);
+	waiter_free(wx);
+	waiter_free(ws);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Queue [S, S, X, S] behind an exclusive holder: its release grants the
+ * run of two shared requests together and stops at the exclusive one; the
+ * shared one behind it comes last. */
+START_TEST(test_shared_run_granted_together)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("run");
+	const unsigned mode[4] = { KL_SHARED, KL_SHARED, 0, KL_SHARED };
+	struct waiter *w[4];
+	struct hold x;
+	uint64_t fx;
+
+	take_mode_ok(p, key, WAIT_BOUND_MS, 0, &x);
+	fx = kl_lease_fence(x.lease);
+	for (int i = 0; i < 4; i++) {
+		w[i] = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false,
+					  NULL, mode[i]);
+		wait_status(p, key, 1, (size_t)i + 1);
+	}
+	drop(&x);
+	wait_status(p, key, 2, 2);
+	waiter_granted(w[0], "shared 0");
+	waiter_granted(w[1], "shared 1");
+	ck_assert(!waiter_done(w[2]) && !waiter_done(w[3]));
+	ck_assert_uint_gt(w[0]->fence, fx);
+	ck_assert_uint_gt(w[1]->fence, fx);
+	ck_assert_uint_ne(w[0]->fence, w[1]->fence);
+	waiter_drop(w[0]);
+	wait_status(p, key, 1, 2);
+	ck_assert(!waiter_done(w[2]));
+	waiter_drop(w[1]);
+	waiter_granted(w[2], "exclusive 2");
+	wait_status(p, key, 1, 1);
+	ck_assert(!waiter_done(w[3]));
+	ck_assert_uint_gt(w[2]->fence, w[0]->fence);
+	ck_assert_uint_gt(w[2]->fence, w[1]->fence);
+	waiter_drop(w[2]);
+	waiter_granted(w[3], "shared 3");
+	ck_assert_uint_gt(w[3]->fence, w[2]->fence);
+	for (int i = 0; i < 4; i++)
+		waiter_free(w[i]);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* An exclusive waiter that leaves (cancelled; then timed out by the
+ * server's lock_timeout) lets the shared request queued behind it join
+ * the shared holder. */
+START_TEST(test_exclusive_waiter_leaving_lets_shared_in)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("leave");
+	struct waiter *wx, *ws, *wx2, *ws2;
+	struct hold s;
+	kl_cancel *c;
+
+	take_mode_ok(p, key, 0, KL_SHARED, &s);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	wx = waiter_start_flags(p, key, KL_FOREVER, c, false, NULL, 0);
+	wait_status(p, key, 1, 1);
+	ws = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL,
+				KL_SHARED);
+	wait_status(p, key, 1, 2);
+	kl_cancel_fire(c);
+	waiter_join(wx);
+	ck_assert_int_eq(wx->rc, KL_ECANCELED);
+	waiter_granted(ws, "shared waiter behind a cancelled one");
+	wait_status(p, key, 2, 0);
+
+	/* The server's own timeout: 5 s, a hang guard more than a time
+	 * bound (the shared request is queued long before). */
+	wx2 = waiter_start_flags(p, key, 5000, NULL, false, NULL, 0);
+	wait_status(p, key, 2, 1);
+	ws2 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL,
+				 KL_SHARED);
+	wait_status(p, key, 2, 2);
+	waiter_join(wx2);
+	ck_assert_int_eq(wx2->rc, KL_ETIMEDOUT);
+	waiter_granted(ws2, "shared waiter behind a timed-out one");
+	wait_status(p, key, 3, 0);
+	waiter_free(wx);
+	waiter_free(wx2);
+	waiter_free(ws);
+	waiter_free(ws2);
+	drop(&s);
+	kl_cancel_free(c);
+	wait_server_locks(key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Fences over mixed grants: four concurrent shared holders each get a
+ * distinct fence, all above the exclusive grant before them and below
+ * the one after. */
+START_TEST(test_fences_mixed_modes)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("mixfence");
+	struct waiter *w[4];
+	struct hold h;
+	uint64_t last, max = 0;
+
+	take_mode_ok(p, key, 0, 0, &h);
+	last = kl_lease_fence(h.lease);
+	drop(&h);
+	for (int i = 0; i < 4; i++)
+		w[i] = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false,
+					  NULL, KL_SHARED);
+	for (int i = 0; i < 4; i++)
+		waiter_granted(w[i], "concurrent shared holder");
+	wait_status(p, key, 4, 0);
+	for (int i = 0; i < 4; i++) {
+		ck_assert_uint_gt(w[i]->fence, last);
+		for (int j = 0; j < i; j++)
+			ck_assert_uint_ne(w[i]->fence, w[j]->fence);
+		if (w[i]->fence > max)
+			max = w[i]->fence;
+	}
+	/* An exclusive request waits for all four. */
+	for (int i = 0; i < 4; i++) {
+		struct hold t;
+		kl_error err;
+
+		ck_assert_int_eq(take_mode(p, key, 0, 0, &t, &err),
+				 KL_ETIMEDOUT);
+		waiter_free(w[i]);
+	}
+	take_mode_ok(p, key, 0, 0, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), max);
+	last = kl_lease_fence(h.lease);
+	drop(&h);
+	take_mode_ok(p, key, 0, KL_SHARED, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), last);
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* KL_ERRORCHECK in either mode: the holder asking again, shared or
+ * exclusive, gets KL_EDEADLK; another thread may share. */
+START_TEST(test_errorcheck_shared)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("errshared");
+	struct hold h, h2;
+	struct waiter *w;
+	kl_error err;
+	int rc;
+
+	take_mode_ok(p, key, 0, KL_SHARED | KL_ERRORCHECK, &h);
+	rc = take_mode(p, key, 0, KL_SHARED | KL_ERRORCHECK, &h2, &err);
+	ck_assert_msg(rc == KL_EDEADLK, "%s: %s", kl_strerror(rc),
+		      err.message);
+	rc = take_mode(p, key, WAIT_BOUND_MS, KL_ERRORCHECK, &h2, &err);
+	ck_assert_msg(rc == KL_EDEADLK, "%s: %s", kl_strerror(rc),
+		      err.message);
+	w = waiter_start_flags(p, key, 0, NULL, false, NULL,
+			       KL_SHARED | KL_ERRORCHECK);
+	waiter_granted(w, "another thread, shared");
+	wait_status(p, key, 2, 0);
+	waiter_free(w);
+	drop(&h);
+	/* An exclusive holder asked for it shared. */
+	take_mode_ok(p, key, 0, KL_ERRORCHECK, &h);
+	rc = take_mode(p, key, WAIT_BOUND_MS, KL_SHARED | KL_ERRORCHECK, &h2,
+		       &err);
+	ck_assert_msg(rc == KL_EDEADLK, "%s: %s", kl_strerror(rc),
+		      err.message);
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+#define SNAP_MAX 256
+
+struct snap_entry {
+	bool key_null, waiting, shared;
+	size_t key_len, position;
+	int64_t pid, tid, elapsed_ms;
+	uint64_t fence;
+	char detail[160];
+};
+
+struct snap {
+	int n, calls, stop_after;
+	struct snap_entry e[SNAP_MAX];
+};
+
+static int
+snap_collect(const kl_lock_info *info, void *arg)
+{
+	struct snap *s = arg;
+	struct snap_entry *e;
+
+	s->calls++;
+	if (s->n < SNAP_MAX) {
+		e = &s->e[s->n++];
+		e->key_null = info->key == NULL;
+		e->key_len = info->key_len;
+		e->waiting = info->waiting;
+		e->shared = info->shared;
+		e->position = info->position;
+		e->pid = info->pid;
+		e->tid = info->tid;
+		e->elapsed_ms = info->elapsed_ms;
+		e->fence = info->fence;
+		snprintf(e->detail, sizeof e->detail, "%s",
+			 info->detail != NULL ? info->detail : "");
+	}
+	return s->stop_after > 0 && s->calls >= s->stop_after;
+}
+
+/* The entries of key, in the order reported. */
+static int
+snap_of(const struct snap *s, const char *key, const struct snap_entry **out,
+	int max)
+{
+	char prefix[64];
+	int n = 0;
+
+	snprintf(prefix, sizeof prefix, "advisory lock %" PRId64 " ",
+		 kl_pg_key_id(key, strlen(key)));
+	for (int i = 0; i < s->n; i++)
+		if (strncmp(s->e[i].detail, prefix, strlen(prefix)) == 0 &&
+		    n < max)
+			out[n++] = &s->e[i];
+	return n;
+}
+
+/* kl_provider_snapshot against known states: an exclusive holder of this
+ * process, an exclusive and a shared waiter queued behind it, and a key
+ * held shared by a session that is not the provider's. */
+START_TEST(test_snapshot)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("snap"), *other = new_key("snapother");
+	const struct snap_entry *e[8];
+	struct snap *s = calloc(1, sizeof *s);
+	struct waiter *wx, *ws;
+	struct hold h;
+	PGconn *f;
+	char sql[128], want[64];
+	kl_error err;
+	int n;
+
+	ck_assert_ptr_nonnull(s);
+	take_mode_ok(p, key, 0, 0, &h);
+	wx = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL, 0);
+	wait_status(p, key, 1, 1);
+	ws = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL,
+				KL_SHARED);
+	wait_status(p, key, 1, 2);
+	f = PQconnectdb(g_uri);
+	ck_assert_msg(PQstatus(f) == CONNECTION_OK, "%s", PQerrorMessage(f));
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_lock_shared(%" PRId64 ")",
+		 kl_pg_key_id(other, strlen(other)));
+	exec_ok(f, sql);
+
+	memset(&err, 0, sizeof err);
+	ck_assert_msg(kl_provider_snapshot(p, snap_collect, s, &err) == KL_OK,
+		      "%s", err.message);
+	n = snap_of(s, key, e, 8);
+	ck_assert_int_eq(n, 3);
+	for (int i = 0; i < 3; i++) {
+		ck_assert(e[i]->key_null);
+		ck_assert_uint_eq(e[i]->key_len, 0);
+		ck_assert_int_eq(e[i]->pid, (int64_t)getpid());
+	}
+	ck_assert(!e[0]->waiting && !e[0]->shared);
+	ck_assert_int_eq(e[0]->tid, (int64_t)syscall(SYS_gettid));
+	ck_assert_uint_eq(e[0]->fence, kl_lease_fence(h.lease));
+	ck_assert_int_ge(e[0]->elapsed_ms, 0);
+	ck_assert_uint_eq(e[0]->position, 0);
+	snprintf(want, sizeof want, "server process %lld", holder_pid(key));
+	ck_assert_msg(strstr(e[0]->detail, want) != NULL, "%s", e[0]->detail);
+	ck_assert(e[1]->waiting && !e[1]->shared);
+	ck_assert_int_eq(e[1]->tid, atomic_load(&wx->tid));
+	ck_assert_uint_eq(e[1]->fence, 0);
+	ck_assert_uint_eq(e[1]->position, 0);
+	ck_assert(e[2]->waiting && e[2]->shared);
+	ck_assert_int_eq(e[2]->tid, atomic_load(&ws->tid));
+	ck_assert_uint_eq(e[2]->position, 1);
+
+	/* Another session's lock: its server process, no thread, no
+	 * fence. */
+	n = snap_of(s, other, e, 8);
+	ck_assert_int_eq(n, 1);
+	ck_assert(!e[0]->waiting && e[0]->shared && e[0]->key_null);
+	ck_assert_int_eq(e[0]->pid, (int64_t)PQbackendPID(f));
+	ck_assert_int_eq(e[0]->tid, 0);
+	ck_assert_uint_eq(e[0]->fence, 0);
+
+	/* A non-zero return stops the walk. */
+	memset(s, 0, sizeof *s);
+	s->stop_after = 1;
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_collect, s, &err),
+			 KL_OK);
+	ck_assert_int_eq(s->calls, 1);
+
+	PQfinish(f);
+	drop(&h);
+	waiter_granted(wx, "exclusive waiter");
+	waiter_free(wx);
+	waiter_granted(ws, "shared waiter");
+	waiter_free(ws);
+	wait_server_locks(key, 0, 0);
+	free(s);
+	kl_provider_free(p);
+}
+END_TEST
+
+/*
+ * The server's deadlock_detected (40P01) is KL_EDEADLK naming the key.
+ * The provider's own sessions never form a cycle (each waits for one key
+ * holding nothing, the man page says so), so this builds one with a
+ * session of the test: it holds the fence sequence's floor lock
+ * (src/pg/pg_fence.c) and waits for the key right behind the provider's
+ * waiter, which, once granted, waits for the floor lock to draw its
+ * fence.  The test session's deadlock_timeout is an hour, so the
+ * provider's session is the one that finds the cycle and gives way.
+ */
+START_TEST(test_server_deadlock_is_edeadlk)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *key = new_key("deadlock");
+	int64_t id = kl_pg_key_id(key, strlen(key));
+	PGconn *holder, *t;
+	PGresult *r;
+	struct waiter *w;
+	char sql[128];
+	bool ok = false;
+
+	holder = PQconnectdb(g_uri);
+	t = PQconnectdb(g_uri);
+	ck_assert(PQstatus(holder) == CONNECTION_OK &&
+		  PQstatus(t) == CONNECTION_OK);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_lock(%" PRId64 ")", id);
+	exec_ok(holder, sql);
+	w = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_server_locks(key, 1, 1);
+	exec_ok(t, "SET deadlock_timeout = '1h'");
+	exec_ok(t, "BEGIN");
+	exec_ok(t, "SELECT pg_advisory_xact_lock(1802266213, 1851999521)");
+	ck_assert(PQsendQuery(t, sql) == 1);
+	wait_server_locks(key, 1, 2);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_unlock(%" PRId64 ")",
+		 id);
+	exec_ok(holder, sql);
+	waiter_join(w);
+	ck_assert_msg(w->rc == KL_EDEADLK, "%s: %s", kl_strerror(w->rc),
+		      w->err.message);
+	ck_assert_msg(strstr(w->err.message, key) != NULL &&
+			      strstr(w->err.message, "deadlock") != NULL,
+		      "%s", w->err.message);
+	/* The victim kept nothing: the test session got the key. */
+	while ((r = PQgetResult(t)) != NULL) {
+		ok = ok || PQresultStatus(r) == PGRES_TUPLES_OK;
+		PQclear(r);
+	}
+	ck_assert(ok);
+	exec_ok(t, "COMMIT");
+	wait_server_locks(key, 1, 0);
+	ck_assert_int_eq(holder_pid(key), PQbackendPID(t));
+	exec_ok(t, sql);
+	wait_server_locks(key, 0, 0);
+	waiter_free(w);
+	PQfinish(t);
+	PQfinish(holder);
+	kl_provider_free(p);
+}
+END_TEST
+
+struct cross {
+	kl_provider *p;
+	const char *mine, *theirs;
+	atomic_int *ready;
+	int rc_mine, rc_theirs;
+	pthread_t th;
+	atomic_bool done;
+};
+
+static void *
+cross_main(void *arg)
+{
+	struct cross *x = arg;
+	struct hold a, b;
+	kl_error err;
+
+	x->rc_mine = take(x->p, x->mine, WAIT_BOUND_MS, NULL, &a, &err);
+	atomic_fetch_add(x->ready, 1);
+	while (atomic_load(x->ready) < 2)
+		test_sleep_ms(2);
+	if (x->rc_mine == KL_OK) {
+		x->rc_theirs = take(x->p, x->theirs, 3000, NULL, &b, &err);
+		/* Held until both waits have ended, so that neither ends
+		 * by the other's giving up. */
+		atomic_fetch_add(x->ready, 1);
+		while (atomic_load(x->ready) < 4)
+			test_sleep_ms(2);
+		if (x->rc_theirs == KL_OK)
+			drop(&b);
+		drop(&a);
+	} else {
+		atomic_fetch_add(x->ready, 1);
+	}
+	atomic_store(&x->done, true);
+	return NULL;
+}
+
+static bool
+cross_done(void *arg)
+{
+	return atomic_load(&((struct cross *)arg)->done);
+}
+
+/* The limitation kl_pg_provider_open(3) documents: two threads of one
+ * provider, each holding one key and waiting for the other's, wait on
+ * four sessions, none of which holds what it waits for behind another
+ * that waits, so the server sees no cycle: both waits end by timeout,
+ * neither with KL_EDEADLK. */
+START_TEST(test_client_cycle_not_seen_by_server)
+{
+	kl_provider *p = open_pg(NULL);
+	const char *a = new_key("cycleA"), *b = new_key("cycleB");
+	atomic_int ready = 0;
+	struct cross x[2] = { { .p = p, .mine = a, .theirs = b },
+			      { .p = p, .mine = b, .theirs = a } };
+
+	for (int i = 0; i < 2; i++) {
+		x[i].ready = &ready;
+		atomic_init(&x[i].done, false);
+		test_thread_start(&x[i].th, cross_main, &x[i]);
+	}
+	for (int i = 0; i < 2; i++) {
+		test_poll(cross_done, &x[i], "a crossing thread");
+		test_thread_join(x[i].th);
+		ck_assert_int_eq(x[i].rc_mine, KL_OK);
+		ck_assert_msg(x[i].rc_theirs == KL_ETIMEDOUT, "%s",
+			      kl_strerror(x[i].rc_theirs));
+	}
+	wait_server_locks(a, 0, 0);
+	wait_server_locks(b, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static Suite *
 provider_pg_suite(void)
@@ -1995,6 +2594,20 @@ provider_pg_suite(void)
 	tcase_add_test(tc, test_threads_share_provider);
 	tcase_add_test(tc, test_pool_bound);
 	tcase_add_test(tc, test_errorcheck);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("modes");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 90);
+	tcase_add_test(tc, test_shared_holders_together);
+	tcase_add_test(tc, test_shared_waits_behind_queued_exclusive);
+	tcase_add_test(tc, test_shared_run_granted_together);
+	tcase_add_test(tc, test_exclusive_waiter_leaving_lets_shared_in);
+	tcase_add_test(tc, test_fences_mixed_modes);
+	tcase_add_test(tc, test_errorcheck_shared);
+	tcase_add_test(tc, test_snapshot);
+	tcase_add_test(tc, test_server_deadlock_is_edeadlk);
+	tcase_add_test(tc, test_client_cycle_not_seen_by_server);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("processes");
