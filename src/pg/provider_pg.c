@@ -302,13 +302,13 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 	if (kl_cancel_fired(cancel))
 		return kl__pg_fail(p, err, KL_ECANCELED, NULL);
 	try_once =
-		deadline != KL__PG_NO_DEADLINE && deadline <= kl__pg_now_ns();
+		deadline != KL__PG_NO_DEADLINE && deadline <= kl__now_ns();
 	if ((setup = !c->prepared)) {
 		snprintf(idbuf, sizeof idbuf, "%" PRId64, id);
 		snprintf(sql, sizeof sql, "%s" TRY_SQL, p->setup_sql, idbuf,
 			 p->fence.draw);
 		rc = kl__pg_run(p, c, sql,
-				kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+				kl__deadline_of(KL__PG_SHORT_OP_MS),
 				KL_EPROVIDER, cancel, &a, err);
 		if (rc == KL_OK && !a.failed && a.stopped == 0) {
 			c->prepared = true;
@@ -316,7 +316,7 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 		}
 	} else {
 		rc = kl__pg_run_q(p, c, NULL, STMT_TRY, id,
-				  kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+				  kl__deadline_of(KL__PG_SHORT_OP_MS),
 				  KL_EPROVIDER, cancel, &a, err);
 	}
 	rc = lock_answer(p, c, rc, &a, cancel, fence, err);
@@ -348,7 +348,7 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, int64_t deadline,
 	 * cancels at the deadline instead. */
 	left_ms = deadline == KL__PG_NO_DEADLINE
 			  ? 0
-			  : (deadline - kl__pg_now_ns() + 999999) / 1000000;
+			  : (deadline - kl__now_ns() + 999999) / 1000000;
 	if (left_ms < 1 && deadline != KL__PG_NO_DEADLINE)
 		left_ms = 1;
 	if (left_ms > INT_MAX) {
@@ -434,7 +434,7 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	*fence = 0;
 	if (kl_cancel_fired(cancel))
 		return kl__pg_fail(p, err, KL_ECANCELED, NULL);
-	deadline = kl__pg_deadline_after(timeout_ms);
+	deadline = kl__deadline_of(timeout_ms);
 	/* Made first, so that nothing can fail once the key is held. */
 	if ((l = calloc(1, sizeof *l)) == NULL)
 		return kl__pg_fail(p, err, KL_ENOMEM, "out of memory");
