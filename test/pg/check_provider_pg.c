@@ -394,16 +394,15 @@ struct waiter {
 	bool release;
 	struct shared *sh;
 	int iters; /* > 1: acquire and release that many times */
-	pthread_t th;
+	struct test_bg bg;
 	struct hold h;
 	int rc;
 	kl_error err;
 	int rank;
 	int64_t start_ns, end_ns;
-	atomic_bool done;
 };
 
-static void *
+static void
 waiter_main(void *arg)
 {
 	struct waiter *w = arg;
@@ -428,8 +427,6 @@ waiter_main(void *arg)
 			break;
 		drop(&w->h);
 	}
-	atomic_store(&w->done, true);
-	return NULL;
 }
 
 static struct waiter *
@@ -445,22 +442,14 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 	w->cancel = c;
 	w->release = release;
 	w->sh = sh;
-	atomic_init(&w->done, false);
-	test_thread_start(&w->th, waiter_main, w);
+	test_bg_start(&w->bg, waiter_main, w);
 	return w;
-}
-
-static bool
-waiter_done(void *arg)
-{
-	return atomic_load(&((struct waiter *)arg)->done);
 }
 
 static void
 waiter_join(struct waiter *w)
 {
-	test_poll(waiter_done, w, "a waiter to return");
-	test_thread_join(w->th);
+	test_bg_join(&w->bg, "a waiter to return");
 }
 
 static void
@@ -747,8 +736,7 @@ START_TEST(test_threads_share_provider)
 		w[i]->release = true;
 		w[i]->sh = &sh[i % 2];
 		w[i]->iters = iters;
-		atomic_init(&w[i]->done, false);
-		test_thread_start(&w[i]->th, waiter_main, w[i]);
+		test_bg_start(&w[i]->bg, waiter_main, w[i]);
 	}
 	for (int i = 0; i < 8; i++)
 		waiter_join(w[i]);
