@@ -1,36 +1,15 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Time for every wait: CLOCK_MONOTONIC only, so that stepping the wall clock
- * never shortens or stretches a timeout.  A timeout is turned once into an
- * absolute deadline; all arithmetic saturates at KL_NO_DEADLINE.
+ * The rest of the time module of libkeylock: condition variables on
+ * CLOCK_MONOTONIC, unique ids, the coarse clock.  The clock and deadlines
+ * every wait uses (kl__now_ns, kl__deadline_of) are in klcommon.c, which
+ * the provider libraries share.
  */
 #include "config.h"
 
 #include <time.h>
 
 #include "internal.h"
-
-int64_t
-kl__now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-int64_t
-kl__deadline_of(int64_t timeout_ms)
-{
-	int64_t now;
-
-	if (timeout_ms < 0 || timeout_ms > INT64_MAX / 1000000)
-		return KL_NO_DEADLINE;
-	now = kl__now_ns();
-	if (now > INT64_MAX - timeout_ms * 1000000)
-		return KL_NO_DEADLINE;
-	return now + timeout_ms * 1000000;
-}
 
 static pthread_condattr_t condattr;
 static pthread_once_t condattr_once = PTHREAD_ONCE_INIT;

@@ -37,6 +37,7 @@ KL_HIDDEN void kl__test_assert_failed(const char *file, int line,
 #define KL_ASSERT(x) ((void)sizeof(!(x)))
 #endif
 
+#include "klcommon.h"
 #include "siphash.h"
 
 /* ------------------------------------------------------------------ */
@@ -50,24 +51,16 @@ KL_HIDDEN void kl__free(void *p);
 KL_HIDDEN char *kl__strndup(const char *s, size_t n);
 
 /* ------------------------------------------------------------------ */
-/* status.c: messages, for any layer. */
+/* status.c: messages, for any layer (kl__error_set is in klcommon.h). */
 
-/* Fills err (may be NULL) with status and a printf-style message. */
-KL_HIDDEN void kl__error_set(kl_error *err, int status, const char *fmt, ...)
-	__attribute__((format(printf, 3, 4)));
 /* Writes a printable, shortened form of key into buf (size > 8). */
 KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
 				 size_t len);
 
 /* ------------------------------------------------------------------ */
-/* clock.c: CLOCK_MONOTONIC nanoseconds; INT64_MAX means "no deadline". */
+/* clock.c: CLOCK_MONOTONIC nanoseconds; INT64_MAX means "no deadline".
+ * kl__now_ns, kl__deadline_of and KL_NO_DEADLINE are in klcommon.h. */
 
-#define KL_NO_DEADLINE INT64_MAX
-
-KL_HIDDEN int64_t kl__now_ns(void);
-/* Absolute deadline for timeout_ms from now, saturating at KL_NO_DEADLINE.
- * KL_FOREVER and values past the clock's range give KL_NO_DEADLINE. */
-KL_HIDDEN int64_t kl__deadline_of(int64_t timeout_ms);
 /* Inline, so that a lock that waits forever reads no clock and calls
  * nothing. */
 static inline int64_t

@@ -2,8 +2,8 @@
 /*
  * SipHash (Aumasson and Bernstein), the one copy in the tree.  It lives in
  * the convenience library src/libklcommon.la, linked into each shared
- * library that hashes (libkeylock, libkeylock-pg), so that no library has
- * to export it to another: the functions are hidden in each.
+ * library (the ones that hash: libkeylock, libkeylock-pg), so that no
+ * library has to export it to another: the functions are hidden in each.
  */
 #ifndef KL_SIPHASH_H
 #define KL_SIPHASH_H

@@ -1,13 +1,12 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Status names, the version, the duration parser, and the messages of
- * kl_error (kl__error_set), which every layer that fills one uses.  The
+ * Status names, the version, the duration parser and the printable form
+ * of a key (kl_error's messages, kl__error_set, are in klcommon.c).  The
  * parser works on integers only (no strtod) so that "1.5m" is exact and no
  * input can produce a value past INT64_MAX or a floating-point surprise.
  */
 #include "config.h"
 
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -46,19 +45,6 @@ kl_strerror(int status)
 	default:
 		return "unknown keylock status";
 	}
-}
-
-void
-kl__error_set(kl_error *err, int status, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (err == NULL)
-		return;
-	err->status = status;
-	va_start(ap, fmt);
-	vsnprintf(err->message, sizeof err->message, fmt, ap);
-	va_end(ap);
 }
 
 void

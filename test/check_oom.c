@@ -488,24 +488,42 @@ START_TEST(test_oom_lock_acquire)
 }
 END_TEST
 
+/* The kl_lock_run* scenarios (one key or a set) make their armed call
+ * between these two.  lock_run_begin: fn's result and err unset.
+ * lock_run_end, with the call's status rc: on KL_OK fn ran once and
+ * returned want; on a failure it never ran, its result is untouched and
+ * err says rc; either way no key is left held.  It returns rc. */
+static void
+lock_run_begin(struct oom_ctx *x)
+{
+	x->fn_result = -1;
+	memset(&x->err, 0, sizeof x->err);
+}
+
+static int
+lock_run_end(struct oom_ctx *x, int rc, int want)
+{
+	if (rc == KL_OK) {
+		ck_assert_int_eq(x->fn_calls, 1);
+		ck_assert_int_eq(x->fn_result, want);
+	} else {
+		ck_assert_int_eq(x->fn_calls, 0);
+		ck_assert_int_eq(x->fn_result, -1);
+		ck_assert_int_eq(x->err.status, rc);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	return rc;
+}
+
 static int
 run_lock_run(struct oom_ctx *x)
 {
 	kl_call call = { .key = "delta", .cancel = NULL };
 	int rc;
 
-	x->fn_result = -1;
-	memset(&x->err, 0, sizeof x->err);
+	lock_run_begin(x);
 	rc = kl_lock_run(x->lock, &call, count_fn, x, &x->fn_result, &x->err);
-	if (rc == KL_OK) {
-		ck_assert_int_eq(x->fn_calls, 1);
-		ck_assert_int_eq(x->fn_result, 42);
-	} else {
-		ck_assert_int_eq(x->fn_calls, 0);
-		ck_assert_int_eq(x->err.status, rc);
-	}
-	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
-	return rc;
+	return lock_run_end(x, rc, 42);
 }
 
 START_TEST(test_oom_lock_run)
@@ -546,20 +564,10 @@ run_lock_run_lease(struct oom_ctx *x)
 	};
 	int rc;
 
-	x->fn_result = -1;
-	memset(&x->err, 0, sizeof x->err);
+	lock_run_begin(x);
 	rc = kl_lock_run_lease(x->lock, &call, lease_fn, x, &x->fn_result,
 			       &x->err);
-	if (rc == KL_OK) {
-		ck_assert_int_eq(x->fn_calls, 1);
-		ck_assert_int_eq(x->fn_result, 43);
-	} else {
-		ck_assert_int_eq(x->fn_calls, 0);
-		ck_assert_int_eq(x->fn_result, -1);
-		ck_assert_int_eq(x->err.status, rc);
-	}
-	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
-	return rc;
+	return lock_run_end(x, rc, 43);
 }
 
 START_TEST(test_oom_lock_run_lease)
@@ -652,20 +660,10 @@ run_lock_run_many(struct oom_ctx *x)
 {
 	int rc;
 
-	x->fn_result = -1;
-	memset(&x->err, 0, sizeof x->err);
+	lock_run_begin(x);
 	rc = kl_lock_run_many(x->lock, set_keys, 4, NULL, set_fn, x,
 			      &x->fn_result, &x->err);
-	if (rc == KL_OK) {
-		ck_assert_int_eq(x->fn_calls, 1);
-		ck_assert_int_eq(x->fn_result, 44);
-	} else {
-		ck_assert_int_eq(x->fn_calls, 0);
-		ck_assert_int_eq(x->fn_result, -1);
-		ck_assert_int_eq(x->err.status, rc);
-	}
-	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
-	return rc;
+	return lock_run_end(x, rc, 44);
 }
 
 static int

@@ -201,16 +201,10 @@ test_thread_join(pthread_t t)
 	ck_assert_msg(rc == 0, "pthread_join: %s", strerror(rc));
 }
 
-struct bounded_run {
-	void (*fn)(void *arg);
-	void *arg;
-	atomic_bool done;
-};
-
 static void *
-bounded_main(void *arg)
+bg_main(void *arg)
 {
-	struct bounded_run *b = arg;
+	struct test_bg *b = arg;
 
 	b->fn(b->arg);
 	atomic_store(&b->done, true);
@@ -218,25 +212,36 @@ bounded_main(void *arg)
 }
 
 static bool
-bounded_done(void *arg)
+bg_done(void *arg)
 {
-	return atomic_load(&((struct bounded_run *)arg)->done);
+	return atomic_load(&((struct test_bg *)arg)->done);
+}
+
+void
+test_bg_start(struct test_bg *b, void (*fn)(void *arg), void *arg)
+{
+	b->fn = fn;
+	b->arg = arg;
+	atomic_init(&b->done, false);
+	test_thread_start(&b->th, bg_main, b);
+}
+
+void
+test_bg_join(struct test_bg *b, const char *what)
+{
+	test_poll(bg_done, b, what);
+	test_thread_join(b->th);
 }
 
 void
 test_run_bounded(void (*fn)(void *arg), void *arg, const char *what)
 {
 	/* Leaked when the test fails: the thread may still use it. */
-	struct bounded_run *b = calloc(1, sizeof *b);
-	pthread_t th;
+	struct test_bg *b = calloc(1, sizeof *b);
 
 	ck_assert_ptr_nonnull(b);
-	b->fn = fn;
-	b->arg = arg;
-	atomic_init(&b->done, false);
-	test_thread_start(&th, bounded_main, b);
-	test_poll(bounded_done, b, what);
-	test_thread_join(th);
+	test_bg_start(b, fn, arg);
+	test_bg_join(b, what);
 	free(b);
 }
 

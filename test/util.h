@@ -75,6 +75,20 @@ void test_thread_join(pthread_t t);
  * failed test (the thread may still run): allocate it.  Test thread
  * only. */
 void test_run_bounded(void (*fn)(void *arg), void *arg, const char *what);
+/* The same in two steps, for a call the test does things beside (a waiter
+ * of a provider suite): test_bg_start runs fn(arg) in a thread of its own;
+ * test_bg_join waits for fn to return, failing the test after
+ * TEST_POLL_LIMIT_MS (with what in the message), then joins the thread.
+ * b (and arg) must outlive a failed test: allocate them.  Test thread
+ * only. */
+struct test_bg {
+	pthread_t th;
+	void (*fn)(void *arg);
+	void *arg;
+	atomic_bool done;
+};
+void test_bg_start(struct test_bg *b, void (*fn)(void *arg), void *arg);
+void test_bg_join(struct test_bg *b, const char *what);
 
 /* A lock's events, recorded: kl_lock_opts.on_event = tev_record
  * with event_arg = the recorder.  Counts per type, when the first

@@ -1,7 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Connections and queries of the PostgreSQL provider (libkeylock-pg): the
- * monotonic clock its deadlines use, opening and closing one session
+ * helpers of the monotonic clock its deadlines use (the clock itself is
+ * klcommon.h's), opening and closing one session
  * (bounded by connect_timeout and a cancel token; a session inherited over
  * fork() is closed without a word to the server), and running a query
  * string or a prepared statement on it with a deadline, a cancel token
@@ -32,27 +33,6 @@
 /* ------------------------------------------------------------------ */
 /* Time                                                                */
 
-int64_t
-kl__pg_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-/* The absolute deadline ms from now; KL_FOREVER (or any negative) and
- * values past the clock's range give KL__PG_NO_DEADLINE. */
-int64_t
-kl__pg_deadline_after(int64_t ms)
-{
-	int64_t now = kl__pg_now_ns();
-
-	if (ms < 0 || ms > (KL__PG_NO_DEADLINE - now) / 1000000)
-		return KL__PG_NO_DEADLINE;
-	return now + ms * 1000000;
-}
-
 /* Milliseconds (rounded up) from now to deadline, at most cap. */
 static int
 ms_until(int64_t deadline, int cap)
@@ -61,7 +41,7 @@ ms_until(int64_t deadline, int cap)
 
 	if (deadline == KL__PG_NO_DEADLINE)
 		return cap;
-	left = deadline - kl__pg_now_ns();
+	left = deadline - kl__now_ns();
 	if (left <= 0)
 		return 0;
 	left = (left + 999999) / 1000000;
@@ -146,7 +126,7 @@ wait_fd(int fd, short events, int64_t deadline, kl_cancel *cancel)
 		ms = ms_until(deadline,
 			      cancel != NULL ? KL__PG_SLICE_MS : INT_MAX);
 		if (ms == 0 && deadline != KL__PG_NO_DEADLINE &&
-		    kl__pg_now_ns() >= deadline)
+		    kl__now_ns() >= deadline)
 			return 0;
 		rc = poll(&pfd, 1,
 			  deadline == KL__PG_NO_DEADLINE && cancel == NULL
@@ -169,7 +149,7 @@ kl__pg_conn_open(struct kl__pg *p, kl_cancel *cancel, struct kl__pg_conn **out,
 	PostgresPollingStatusType st = PGRES_POLLING_WRITING;
 	int64_t deadline =
 		p->connect_timeout_ms > 0
-			? kl__pg_deadline_after(p->connect_timeout_ms)
+			? kl__deadline_of(p->connect_timeout_ms)
 			: KL__PG_NO_DEADLINE;
 	struct kl__pg_conn *c;
 	PGconn *pg;
@@ -336,7 +316,7 @@ run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 			if (kl_cancel_fired(cancel))
 				a->stopped = KL_ECANCELED;
 			else if (deadline != KL__PG_NO_DEADLINE &&
-				 kl__pg_now_ns() >= deadline) {
+				 kl__now_ns() >= deadline) {
 				if (late != KL_ETIMEDOUT) {
 					c->broken = true;
 					return kl__pg_fail(
@@ -354,7 +334,7 @@ run_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 						"cannot send a cancel "
 						"request");
 				}
-				give_up = kl__pg_deadline_after(
+				give_up = kl__deadline_of(
 					KL__PG_SHORT_OP_MS);
 			}
 		}
@@ -408,7 +388,7 @@ kl__pg_run_rows(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 	int rc;
 
 	*rows = NULL;
-	rc = run_q(p, c, sql, NULL, 0, kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+	rc = run_q(p, c, sql, NULL, 0, kl__deadline_of(KL__PG_SHORT_OP_MS),
 		   KL_EPROVIDER, NULL, &a, rows, err);
 	if (rc == KL_OK && (a.failed || *rows == NULL)) {
 		rc = kl__pg_fail(p, err, KL_EPROVIDER, "%s",
@@ -438,7 +418,7 @@ kl__pg_run_short_q(struct kl__pg *p, struct kl__pg_conn *c, const char *sql,
 		   kl_error *err)
 {
 	int rc = kl__pg_run_q(p, c, sql, stmt, id,
-			      kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+			      kl__deadline_of(KL__PG_SHORT_OP_MS),
 			      KL_EPROVIDER, NULL, a, err);
 
 	if (rc == KL_OK && a->failed) {

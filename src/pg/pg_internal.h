@@ -10,7 +10,8 @@
  * work together, and which lock guards what).
  *
  * This library links libkeylock.so and so sees only its public kl_*
- * functions; the kl__pg_* helpers here are hidden by the build
+ * functions, and src/libklcommon.la for SipHash, kl__error_set and the
+ * clock (klcommon.h); the kl__pg_* helpers here are hidden by the build
  * (-fvisibility=hidden and src/libkeylock-pg.map).
  */
 #ifndef KL_PG_INTERNAL_H
@@ -26,6 +27,7 @@
 #include <libpq-fe.h>
 
 #include "keylock.h"
+#include "klcommon.h"
 #include "pg_fence.h"
 
 #define KL__PG_HIDDEN __attribute__((visibility("hidden")))
@@ -162,11 +164,8 @@ KL__PG_HIDDEN int kl__pg_parse_uri(struct kl__pg *p, const char *uri,
 /* ------------------------------------------------------------------ */
 /* pg_conn.c: the clock, connections and queries */
 
-/* CLOCK_MONOTONIC nanoseconds. */
-KL__PG_HIDDEN int64_t kl__pg_now_ns(void);
-/* The absolute deadline ms from now; KL_FOREVER (or any negative) and
- * values past the clock's range give KL__PG_NO_DEADLINE. */
-KL__PG_HIDDEN int64_t kl__pg_deadline_after(int64_t ms);
+/* The clock is klcommon.h's: kl__now_ns (CLOCK_MONOTONIC nanoseconds) and
+ * kl__deadline_of (KL_FOREVER gives KL_NO_DEADLINE, KL__PG_NO_DEADLINE). */
 KL__PG_HIDDEN void kl__pg_to_timespec(int64_t ns, struct timespec *ts);
 /* A condition variable on CLOCK_MONOTONIC: 0, or -1. */
 KL__PG_HIDDEN int kl__pg_cond_init(pthread_cond_t *c);

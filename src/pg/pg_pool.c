@@ -75,14 +75,14 @@ kl__pg_slot_get(struct kl__pg *p, int64_t deadline, kl_cancel *cancel,
 		if (kl_cancel_fired(cancel))
 			rc = KL_ECANCELED;
 		else if (deadline != KL__PG_NO_DEADLINE &&
-			 kl__pg_now_ns() >= deadline)
+			 kl__now_ns() >= deadline)
 			rc = KL_ETIMEDOUT;
 		if (rc != KL_OK)
 			break;
 		until = deadline;
 		if (cancel != NULL) {
 			int64_t slice =
-				kl__pg_now_ns() + KL__PG_SLICE_MS * 1000000LL;
+				kl__now_ns() + KL__PG_SLICE_MS * 1000000LL;
 
 			if (slice < until)
 				until = slice;
@@ -242,17 +242,17 @@ kl__pg_health_main(void *arg)
 	int64_t next;
 
 	pthread_mutex_lock(&p->mu);
-	next = kl__pg_now_ns() + p->health_ms * 1000000;
+	next = kl__now_ns() + p->health_ms * 1000000;
 	while (!p->stop) {
 		/* Sleeps until the next round, unless pg_watch wakes it
 		 * for a lease that was lost before it was watched. */
-		if (kl__pg_now_ns() < next && !report_pending(p)) {
+		if (kl__now_ns() < next && !report_pending(p)) {
 			kl__pg_to_timespec(next, &ts);
 			pthread_cond_timedwait(&p->wake, &p->mu, &ts);
 			continue;
 		}
 		health_round(p);
-		next = kl__pg_now_ns() + p->health_ms * 1000000;
+		next = kl__now_ns() + p->health_ms * 1000000;
 	}
 	pthread_mutex_unlock(&p->mu);
 	return NULL;
@@ -309,7 +309,7 @@ aux_do(struct kl__pg *p, const char *sql, bool strict,
 		else
 			rc = kl__pg_run(
 				p, c, sql,
-				kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+				kl__deadline_of(KL__PG_SHORT_OP_MS),
 				KL_EPROVIDER, NULL, a, err);
 		if (!c->broken)
 			break;

@@ -361,13 +361,13 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, bool shared,
 	if (kl_cancel_fired(cancel))
 		return kl__pg_fail(p, err, KL_ECANCELED, NULL);
 	try_once =
-		deadline != KL__PG_NO_DEADLINE && deadline <= kl__pg_now_ns();
+		deadline != KL__PG_NO_DEADLINE && deadline <= kl__now_ns();
 	if ((setup = !c->prepared)) {
 		snprintf(idbuf, sizeof idbuf, "%" PRId64, id);
 		snprintf(sql, sizeof sql, "%s" TRY_SQL, p->setup_sql,
 			 shared ? "_shared" : "", idbuf, p->fence.draw);
 		rc = kl__pg_run(p, c, sql,
-				kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+				kl__deadline_of(KL__PG_SHORT_OP_MS),
 				KL_EPROVIDER, cancel, &a, err);
 		if (rc == KL_OK && !a.failed && a.stopped == 0) {
 			c->prepared = true;
@@ -376,7 +376,7 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, bool shared,
 	} else {
 		rc = kl__pg_run_q(p, c, NULL,
 				  shared ? STMT_TRY_SHARED : STMT_TRY, id,
-				  kl__pg_deadline_after(KL__PG_SHORT_OP_MS),
+				  kl__deadline_of(KL__PG_SHORT_OP_MS),
 				  KL_EPROVIDER, cancel, &a, err);
 	}
 	rc = lock_answer(p, c, rc, &a, cancel, fence, err);
@@ -408,7 +408,7 @@ lock_on(struct kl__pg *p, struct kl__pg_conn *c, int64_t id, bool shared,
 	 * cancels at the deadline instead. */
 	left_ms = deadline == KL__PG_NO_DEADLINE
 			  ? 0
-			  : (deadline - kl__pg_now_ns() + 999999) / 1000000;
+			  : (deadline - kl__now_ns() + 999999) / 1000000;
 	if (left_ms < 1 && deadline != KL__PG_NO_DEADLINE)
 		left_ms = 1;
 	if (left_ms > INT_MAX) {
@@ -501,7 +501,7 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	*fence = 0;
 	if (kl_cancel_fired(cancel))
 		return kl__pg_fail(p, err, KL_ECANCELED, NULL);
-	deadline = kl__pg_deadline_after(timeout_ms);
+	deadline = kl__deadline_of(timeout_ms);
 	/* Made first, so that nothing can fail once the key is held. */
 	if ((l = calloc(1, sizeof *l)) == NULL)
 		return kl__pg_fail(p, err, KL_ENOMEM, "out of memory");
@@ -570,7 +570,7 @@ pg_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	}
 	l->conn = c;
 	l->backend = PQbackendPID(c->pg);
-	l->granted_ns = kl__pg_now_ns();
+	l->granted_ns = kl__now_ns();
 	l->fence = got;
 	pthread_mutex_lock(&p->mu);
 	l->next = p->leases;
@@ -768,7 +768,7 @@ own_entry(struct kl__pg *p, int backend, int64_t id, kl_lock_info *info)
 				info->pid = (int64_t)getpid();
 				info->tid = l->tid;
 				info->fence = l->fence;
-				info->elapsed_ms = (kl__pg_now_ns() -
+				info->elapsed_ms = (kl__now_ns() -
 						    l->granted_ns) /
 						   1000000;
 				break;

@@ -121,7 +121,7 @@ lease_new(struct kl__redis *r, const char *key, size_t key_len, int64_t ttl_ms,
 		return KL_ENOMEM;
 	if (!kl__redis_random(raw, sizeof raw)) {
 		free(l);
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: no random bytes for a "
 				"token");
 		return KL_EPROVIDER;
@@ -200,7 +200,7 @@ static void
 guard_said(const struct kl__rlease *l, kl_error *err)
 {
 	if (l->guard_left_ms > 0)
-		kl__redis_error(err, KL_ETIMEDOUT,
+		kl__error_set(err, KL_ETIMEDOUT,
 				"redis provider: no lock is granted for "
 				"another %lld ms: the server may have lost "
 				"locks in a restart (restart_guard)",
@@ -235,7 +235,7 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	*out = NULL;
 	*fence = 0;
 	if (flags & KL_ERRORCHECK) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: error-check mode "
 				"(KL_ERRORCHECK) is not supported");
 		return KL_EINVAL;
@@ -244,7 +244,7 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		ttl_ms = r->conf.ttl_ms;
 	if (ttl_ms < MIN_TTL_MS || ttl_ms > INT64_MAX / 4 ||
 	    (timeout_ms < 0 && timeout_ms != KL_FOREVER)) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: the ttl must be at least "
 				"%d ms",
 				MIN_TTL_MS);
@@ -356,7 +356,7 @@ redis_release(void *impl, void *lease, kl_error *err)
 
 	rc = kl__redis_release_key(r, l, &released, err);
 	if (rc == KL_OK && !released) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the lease was already lost "
 				"(expired, deleted or taken over)");
 		rc = KL_EPROVIDER;
@@ -430,7 +430,7 @@ redis_status(void *impl, const char *key, size_t key_len, size_t *holders,
 		*holders = (size_t)rep->element[0]->integer;
 		*waiters = (size_t)rep->element[1]->integer;
 	} else {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: unexpected reply to status");
 		rc = KL_EPROVIDER;
 	}
@@ -507,7 +507,7 @@ kl_redis_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	if (out != NULL)
 		*out = NULL;
 	if (out == NULL || uri == NULL) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: no URI or no output given");
 		return KL_EINVAL;
 	}

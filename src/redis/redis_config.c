@@ -93,7 +93,7 @@ decode(const char *s, size_t n, char **out, size_t *len)
 static int
 bad(kl_error *err, const char *what)
 {
-	kl__redis_error(err, KL_EINVAL, "redis provider: %s", what);
+	kl__error_set(err, KL_EINVAL, "redis provider: %s", what);
 	return KL_EINVAL;
 }
 
@@ -128,7 +128,7 @@ parse_duration(const char *name, const char *v, int64_t min, int64_t max,
 
 	if (kl_duration_parse(v, &ms) != KL_OK || ms == KL_FOREVER ||
 	    ms < min || ms > max) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: option %s wants a duration "
 				"from %lld ms to %lld ms (e.g. 250ms, 5s)",
 				name, (long long)min, (long long)max);
@@ -152,27 +152,27 @@ read_password_file(struct kl__redis_conf *conf, const char *path,
 
 	fd = open(path, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NOCTTY);
 	if (fd < 0) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: cannot open the password "
 				"file %s: %s",
 				path, strerror(errno));
 		return KL_EPROVIDER;
 	}
 	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the password file %s is not "
 				"a regular file",
 				path);
 		rc = KL_EPROVIDER;
 	} else if ((st.st_mode & (S_IRWXG | S_IRWXO)) != 0) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the password file %s has "
 				"mode %04o: it must not be accessible by group "
 				"or others (chmod 0600 it)",
 				path, (unsigned)(st.st_mode & 07777));
 		rc = KL_EPROVIDER;
 	} else if (st.st_uid != geteuid() && st.st_uid != 0) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the password file %s belongs "
 				"to another user",
 				path);
@@ -183,7 +183,7 @@ read_password_file(struct kl__redis_conf *conf, const char *path,
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n < 0) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: cannot read the "
 					"password file %s: %s",
 					path, strerror(errno));
@@ -203,7 +203,7 @@ read_password_file(struct kl__redis_conf *conf, const char *path,
 		if (len > 0 && buf[len - 1] == '\r')
 			len--;
 		if (len == 0 || len > MAX_PASSWORD) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: the password file %s "
 					"holds no password, or one longer than "
 					"%d bytes",
@@ -227,12 +227,12 @@ tls_option(char **field, const char *name, char **v, size_t vlen,
 	   kl_error *err)
 {
 	if (vlen == 0) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: option %s is empty", name);
 		return KL_EINVAL;
 	}
 	if (*field != NULL) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: option %s is given twice",
 				name);
 		return KL_EINVAL;
@@ -320,7 +320,7 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 	} else if (strcmp(name, "tls_server_name") == 0) {
 		rc = tls_option(&conf->tls_server_name, name, &v, vlen, err);
 	} else {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: unknown option '%s' (known: "
 				"ttl, timeout, connect_timeout, pool, prefix, "
 				"heartbeat, restart_guard, password_file, "
@@ -425,7 +425,7 @@ once(const char *query, const char *opt, kl_error *err)
 
 	for (s = query; s < opt; s += strcspn(s, "&") + 1) {
 		if (strncmp(s, opt, n) == 0 && s[n] == '=') {
-			kl__redis_error(err, KL_EINVAL,
+			kl__error_set(err, KL_EINVAL,
 					"redis provider: option %.*s is given "
 					"twice",
 					(int)n, opt);
@@ -472,7 +472,7 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		conf->tls = true;
 		skip = 9;
 #else
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: TLS (rediss://) is not "
 				"compiled into this libkeylock-redis: it "
 				"was built without OpenSSL (Debian: "
@@ -560,7 +560,7 @@ kl__redis_conf_parse(struct kl__redis_conf *conf, const char *uri,
 		}
 	}
 	if (conf->user != NULL && conf->pass == NULL) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: authentication as user '%s' "
 				"needs a password (in the URI, password_file "
 				"or KEYLOCK_REDIS_PASSWORD)",

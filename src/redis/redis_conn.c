@@ -89,12 +89,12 @@ auth_failed(struct kl__rconn *c, const struct kl__redis_conf *conf,
 
 	c->broken = true;
 	if (conf->pass == NULL)
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: authentication required by "
 				"the server, and no password was given (URI, "
 				"password_file or KEYLOCK_REDIS_PASSWORD)");
 	else
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: authentication failed%s%s%s "
 				"(%.120s)",
 				conf->user != NULL ? " for user '" : "",
@@ -113,7 +113,7 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 
 	if (r->type != REDIS_REPLY_STRING) {
 		c->broken = true;
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: INFO failed: %.160s",
 				r->type == REDIS_REPLY_ERROR ? r->str : "?");
 		return KL_EPROVIDER;
@@ -121,7 +121,7 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 	if (!info_field(r->str, "run_id", c->run_id, sizeof c->run_id) ||
 	    !info_field(r->str, "uptime_in_seconds", buf, sizeof buf)) {
 		c->broken = true;
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the server's INFO lacks "
 				"run_id or uptime_in_seconds");
 		return KL_EPROVIDER;
@@ -152,7 +152,7 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 	c->version = (int)(major * 100 + minor);
 	if (c->version < 600) {
 		c->broken = true;
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the server is Redis %s; "
 				"6.0 or later is needed",
 				buf);
@@ -192,7 +192,7 @@ check_eviction(struct kl__rconn *c, const struct kl__redis_conf *conf,
 	    strcmp(max, "0") == 0)
 		return KL_OK;
 	c->broken = true;
-	kl__redis_error(err, KL_EPROVIDER,
+	kl__error_set(err, KL_EPROVIDER,
 			"redis provider: the server may evict held locks "
 			"(maxmemory-policy %s, maxmemory set): set "
 			"maxmemory-policy noeviction, or add eviction=allow to "
@@ -248,7 +248,7 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 		return KL_ENOMEM;
 	}
 	if (c->ctx->err != 0) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: cannot connect to %s port "
 				"%d: %s",
 				conf->host, conf->port, c->ctx->errstr);
@@ -349,7 +349,7 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 		    strncmp(r->str, "WRONGPASS", 9) == 0)
 			rc = auth_failed(c, conf, r, err);
 		else if (i < info) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: SELECT %d failed: "
 					"%.120s",
 					conf->db, r->str);
@@ -364,7 +364,7 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 		redisReply *r = rep[i];
 
 		if (r->type != REDIS_REPLY_STRING || r->len != 40) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: SCRIPT LOAD failed: "
 					"%.160s",
 					r->type == REDIS_REPLY_ERROR ? r->str

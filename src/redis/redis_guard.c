@@ -126,7 +126,7 @@ kl__redis_mark_server(struct kl__redis *r, struct kl__rconn *c, int64_t cap_ns,
 	if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
 	    rep->element[0]->type != REDIS_REPLY_STRING ||
 	    rep->element[1]->type != REDIS_REPLY_INTEGER) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the restart marker could not "
 				"be checked: %.160s",
 				rep->type == REDIS_REPLY_ERROR ? rep->str

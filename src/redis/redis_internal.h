@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
  * Private declarations of libkeylock-redis, shared by its modules:
- * redis_config.c (URI and password), redis_util.c (messages, clocks,
+ * redis_config.c (URI and password), redis_util.c (clocks,
  * process id, random bytes), redis_conn.c (one connection: connect,
  * authenticate, identify the server, load the scripts), redis_io.c (send
  * commands and read replies with deadlines), redis_scripts.c (the Lua
@@ -12,8 +12,9 @@
  * redis_renew.c (the renewal thread).
  *
  * This library links libkeylock.so and so sees only its public kl_*
- * functions; the kl__redis_* helpers here are hidden by the build
- * (-fvisibility=hidden and src/libkeylock-redis.map).
+ * functions, and src/libklcommon.la for kl__error_set (klcommon.h); the
+ * kl__redis_* helpers here are hidden by the build (-fvisibility=hidden
+ * and src/libkeylock-redis.map).
  */
 #ifndef KL_REDIS_INTERNAL_H
 #define KL_REDIS_INTERNAL_H
@@ -31,6 +32,7 @@ struct kl__rtls;
 
 #include "keylock.h"
 #include "keylock/redis.h"
+#include "klcommon.h"
 
 #define KL_RHIDDEN __attribute__((visibility("hidden")))
 
@@ -79,8 +81,6 @@ KL_RHIDDEN void kl__redis_conf_clear(struct kl__redis_conf *conf);
 /* ------------------------------------------------------------------ */
 /* Shared helpers (redis_util.c) */
 
-KL_RHIDDEN void kl__redis_error(kl_error *err, int status, const char *fmt,
-				...) __attribute__((format(printf, 3, 4)));
 /* CLOCK_MONOTONIC nanoseconds. */
 KL_RHIDDEN int64_t kl__redis_now_ns(void);
 /* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */

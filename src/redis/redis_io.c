@@ -245,10 +245,10 @@ broken(struct kl__rconn *c, kl_error *err, const char *what)
 {
 	c->broken = true;
 	if (c->ctx->errstr[0] != '\0')
-		kl__redis_error(err, KL_EPROVIDER, "redis provider: %s (%s)",
+		kl__error_set(err, KL_EPROVIDER, "redis provider: %s (%s)",
 				what, c->ctx->errstr);
 	else
-		kl__redis_error(err, KL_EPROVIDER, "redis provider: %s", what);
+		kl__error_set(err, KL_EPROVIDER, "redis provider: %s", what);
 	return KL_EPROVIDER;
 }
 
@@ -282,7 +282,7 @@ kl__rconn_roundtrip(struct kl__rconn *c, int64_t deadline, int n,
 				/* Sent, so the server may still run them:
 				 * kl__rconn_drain waits for that. */
 				c->owed = n - i;
-				kl__redis_error(err, KL_EPROVIDER,
+				kl__error_set(err, KL_EPROVIDER,
 						"redis provider: no reply "
 						"from the server in time");
 				r = KL_EPROVIDER;

@@ -311,7 +311,7 @@ kl__rconn_script(struct kl__rconn *c, int64_t deadline_ns,
 				       err);
 	}
 	if (rc == KL_OK && (*reply)->type == REDIS_REPLY_ERROR) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the server refused a "
 				"script: %.160s",
 				(*reply)->str);

@@ -158,7 +158,7 @@ ctx_error(kl_error *err, const char *what, const char *path)
 {
 	char why[160];
 
-	kl__redis_error(err, KL_EPROVIDER, "redis provider: cannot %s %s: %s",
+	kl__error_set(err, KL_EPROVIDER, "redis provider: cannot %s %s: %s",
 			what, path, ssl_reason(why, sizeof why));
 	return KL_EPROVIDER;
 }
@@ -173,7 +173,7 @@ check_key_file(const char *path, kl_error *err)
 	mode_t bad = S_IRWXG | S_IRWXO;
 
 	if (stat(path, &st) != 0) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: cannot read the tls_key "
 				"file %s: %m",
 				path);
@@ -183,7 +183,7 @@ check_key_file(const char *path, kl_error *err)
 		bad = S_IWGRP | S_IXGRP | S_IRWXO;
 	if (!S_ISREG(st.st_mode) || (st.st_mode & bad) != 0 ||
 	    (st.st_uid != geteuid() && st.st_uid != 0)) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the tls_key file %s must be "
 				"a regular file of yours, mode 0600 (it has "
 				"%04o)",
@@ -220,7 +220,7 @@ kl__redis_tls_ctx_new(struct kl__redis_conf *conf, kl_error *err)
 	/* OpenSSL reads a directory only when verifying: look now. */
 	if (conf->tls_ca_dir != NULL &&
 	    (stat(conf->tls_ca_dir, &st) != 0 || !S_ISDIR(st.st_mode))) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: tls_ca_dir %s is not a "
 				"directory",
 				conf->tls_ca_dir);
@@ -292,7 +292,7 @@ handshake_failed(struct kl__rtls *t, const struct kl__redis_conf *conf,
 	char why[160];
 
 	if (v != X509_V_OK) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: TLS with %s port %d: "
 				"certificate verification failed: %s",
 				conf->host, conf->port,
@@ -300,18 +300,18 @@ handshake_failed(struct kl__rtls *t, const struct kl__redis_conf *conf,
 	} else if (e == SSL_ERROR_SYSCALL && ERR_peek_error() == 0) {
 		/* %m: strerror() is not thread-safe. */
 		if (errno != 0)
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: TLS handshake with "
 					"%s port %d failed: %m",
 					conf->host, conf->port);
 		else
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: TLS handshake with "
 					"%s port %d failed: the server closed "
 					"the connection (is it a TLS port?)",
 					conf->host, conf->port);
 	} else {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: TLS handshake with %s port "
 				"%d failed: %s (is it a TLS port?)",
 				conf->host, conf->port,
@@ -358,7 +358,7 @@ kl__rtls_start(struct kl__rconn *c, const struct kl__redis_conf *conf,
 	if (ip ? !X509_VERIFY_PARAM_set1_ip_asc(param, name)
 	       : !X509_VERIFY_PARAM_set1_host(param, name, 0) ||
 			 !SSL_set_tlsext_host_name(t->ssl, name)) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: cannot verify TLS for the "
 				"server name %s: %s",
 				name, ssl_reason(t->why, sizeof t->why));
@@ -382,7 +382,7 @@ kl__rtls_start(struct kl__rconn *c, const struct kl__redis_conf *conf,
 							       : POLLOUT,
 				      deadline_ns);
 		if (w <= 0) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: TLS handshake with "
 					"%s port %d %s",
 					conf->host, conf->port,

@@ -1,7 +1,7 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * Small helpers shared by the modules of libkeylock-redis: messages,
- * CLOCK_MONOTONIC deadlines, the process id and random bytes.
+ * Small helpers shared by the modules of libkeylock-redis: CLOCK_MONOTONIC
+ * deadlines, the process id and random bytes.
  *
  * The process id (to tell a connection inherited over fork()) and the
  * random bytes for lease tokens are cached, the first per process and the
@@ -13,7 +13,6 @@
 #include <fcntl.h>
 #include <inttypes.h>
 #include <pthread.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 #include <time.h>
@@ -23,19 +22,6 @@
 #endif
 
 #include "redis_internal.h"
-
-void
-kl__redis_error(kl_error *err, int status, const char *fmt, ...)
-{
-	va_list ap;
-
-	if (err == NULL)
-		return;
-	err->status = status;
-	va_start(ap, fmt);
-	vsnprintf(err->message, sizeof err->message, fmt, ap);
-	va_end(ap);
-}
 
 int64_t
 kl__redis_now_ns(void)

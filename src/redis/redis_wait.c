@@ -77,7 +77,7 @@ attempt(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	    rep->element[0]->type != REDIS_REPLY_INTEGER ||
 	    rep->element[2]->type != REDIS_REPLY_INTEGER) {
 		freeReplyObject(rep);
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: unexpected reply to an "
 				"attempt");
 		return KL_EPROVIDER;
@@ -202,7 +202,7 @@ block(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	if (rc != KL_OK)
 		return rc;
 	if (rep->type == REDIS_REPLY_ERROR) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: BLPOP failed: %.160s",
 				rep->str);
 		rc = KL_EPROVIDER;
@@ -235,7 +235,7 @@ reconnect_in_wait(struct kl__redis *r, struct kl__rconn **cp, uint64_t epoch,
 	if (rc != KL_OK)
 		return rc;
 	if ((*cp)->epoch != epoch) {
-		kl__redis_error(err, KL_EPROVIDER,
+		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the server restarted during "
 				"the wait (its run_id changed); its queue and "
 				"locks may be lost");

@@ -397,17 +397,16 @@ struct waiter {
 	bool release;      /* release right after the grant */
 	struct shared *sh; /* may be NULL */
 	/* Outputs: read after waiter_join. */
-	pthread_t th;
+	struct test_bg bg;
 	struct hold h;
 	int rc;
 	kl_error err;
 	uint64_t fence;
 	int rank; /* grant rank in sh, -1 */
 	int64_t start_ns, end_ns;
-	atomic_bool done;
 };
 
-static void *
+static void
 waiter_main(void *arg)
 {
 	struct waiter *w = arg;
@@ -438,8 +437,6 @@ waiter_main(void *arg)
 			w->h.lease = NULL;
 		}
 	}
-	atomic_store(&w->done, true);
-	return NULL;
 }
 
 /* A waiter thread on key.  Heap-allocated and freed by waiter_free: a
@@ -458,15 +455,8 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 	w->cancel = c;
 	w->release = release;
 	w->sh = sh;
-	atomic_init(&w->done, false);
-	test_thread_start(&w->th, waiter_main, w);
+	test_bg_start(&w->bg, waiter_main, w);
 	return w;
-}
-
-static bool
-waiter_done(void *arg)
-{
-	return atomic_load(&((struct waiter *)arg)->done);
 }
 
 /* Waits (bounded) for the waiter to return, then joins it. */
@@ -477,8 +467,7 @@ waiter_join(struct waiter *w)
 
 	snprintf(what, sizeof what, "a waiter on '%.40s' (timeout %" PRId64
 		 " ms) to return", w->key, w->timeout_ms);
-	test_poll(waiter_done, w, what);
-	test_thread_join(w->th);
+	test_bg_join(&w->bg, what);
 }
 
 /* Releases what the joined waiter still holds and frees it. */
@@ -1238,7 +1227,7 @@ START_TEST(test_head_gives_up_passes_on)
 	waiter_join(w1);
 	ck_assert_msg(w1->rc == KL_ETIMEDOUT, "W1: %s", kl_strerror(w1->rc));
 	wait_status(p, "lo:head", 1, 1);
-	ck_assert(!atomic_load(&w2->done));
+	ck_assert(!atomic_load(&w2->bg.done));
 	drop(&h);
 	waiter_join(w2);
 	ck_assert_msg(w2->rc == KL_OK, "W2: %s: %s", kl_strerror(w2->rc),
@@ -1597,7 +1586,7 @@ START_TEST(test_process_waiter_killed)
 	test_helper_kill(&hp);
 	/* The dead waiter is no longer counted; the holder still holds. */
 	wait_status(p, "lo:proc:waiter", 1, 1);
-	ck_assert(!atomic_load(&w->done));
+	ck_assert(!atomic_load(&w->bg.done));
 	/* It never got the key. */
 	ck_assert(!test_helper_line(&hp, line, sizeof line, HANG_GUARD_MS));
 	drop(&h);

@@ -400,7 +400,7 @@ struct waiter {
 	struct shared *sh;
 	int iters; /* > 1: acquire and release that many times */
 	unsigned flags; /* KL_SHARED, KL_ERRORCHECK */
-	pthread_t th;
+	struct test_bg bg;
 	struct hold h;
 	int rc;
 	kl_error err;
@@ -408,10 +408,9 @@ struct waiter {
 	int64_t start_ns, end_ns;
 	atomic_llong tid; /* gettid() of the thread */
 	uint64_t fence;
-	atomic_bool done;
 };
 
-static void *
+static void
 waiter_main(void *arg)
 {
 	struct waiter *w = arg;
@@ -438,8 +437,6 @@ waiter_main(void *arg)
 			break;
 		drop(&w->h);
 	}
-	atomic_store(&w->done, true);
-	return NULL;
 }
 
 static struct waiter *
@@ -457,8 +454,7 @@ waiter_start_flags(kl_provider *p, const char *key, int64_t timeout_ms,
 	w->release = release;
 	w->sh = sh;
 	w->flags = flags;
-	atomic_init(&w->done, false);
-	test_thread_start(&w->th, waiter_main, w);
+	test_bg_start(&w->bg, waiter_main, w);
 	return w;
 }
 
@@ -472,14 +468,13 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 static bool
 waiter_done(void *arg)
 {
-	return atomic_load(&((struct waiter *)arg)->done);
+	return atomic_load(&((struct waiter *)arg)->bg.done);
 }
 
 static void
 waiter_join(struct waiter *w)
 {
-	test_poll(waiter_done, w, "a waiter to return");
-	test_thread_join(w->th);
+	test_bg_join(&w->bg, "a waiter to return");
 }
 
 static void
@@ -766,8 +761,7 @@ START_TEST(test_threads_share_provider)
 		w[i]->release = true;
 		w[i]->sh = &sh[i % 2];
 		w[i]->iters = iters;
-		atomic_init(&w[i]->done, false);
-		test_thread_start(&w[i]->th, waiter_main, w[i]);
+		test_bg_start(&w[i]->bg, waiter_main, w[i]);
 	}
 	for (int i = 0; i < 8; i++)
 		waiter_join(w[i]);

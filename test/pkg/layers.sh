@@ -31,9 +31,11 @@ alloc.c 0
 status.c 0
 clock.c 0
 siphash.c 0
+klcommon.c 0
 internal.h 0
 annotate.h 0
 siphash.h 0
+klcommon.h 0
 cancel.c 1
 waitq.c 2
 mutex.c 3
