@@ -69,12 +69,18 @@ kl__local_crash_point(const char *name)
 }
 #endif
 
+/* strerror, thread-safe (GNU strerror_r: the text lives in buf or is
+ * static). */
+#define ERRTEXT(e) strerror_r((e), errbuf, sizeof errbuf)
+
 int
 kl__local_fail(kl_error *err, int rc, const char *what, int errnum)
 {
+	char errbuf[128];
+
 	if (errnum != 0)
 		kl__error_set(err, rc, "local provider: %s: %s", what,
-			      strerror(errnum));
+			      ERRTEXT(errnum));
 	else
 		kl__error_set(err, rc, "local provider: %s", what);
 	return rc;
@@ -84,9 +90,11 @@ int
 kl__local_fail_file(struct local *lp, kl_error *err, const char *what,
 		    const char *name, int errnum)
 {
+	char errbuf[128];
+
 	kl__error_set(err, KL_EPROVIDER, "local provider: %s %s/%s%s%s", what,
 		      lp->path, name, errnum != 0 ? ": " : "",
-		      errnum != 0 ? strerror(errnum) : "");
+		      errnum != 0 ? ERRTEXT(errnum) : "");
 	return KL_EPROVIDER;
 }
 
