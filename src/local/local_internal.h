@@ -71,6 +71,8 @@ struct kl__local_trec {
 	uint32_t pad;
 	int64_t pid, tid; /* the owner as it sees itself (its namespace) */
 	uint64_t nonce;   /* its process's random id (kl__local_self) */
+	uint64_t thread;  /* kl__thread_id(): never reused in the process,
+			     unlike tid */
 	int64_t since_us; /* wall clock when queued */
 };
 
@@ -125,8 +127,9 @@ KL_HIDDEN int kl__local_write_first(int qfd,
 				    const char *key, size_t len);
 KL_HIDDEN int kl__local_qlock(int fd, int64_t deadline, kl_cancel *cancel);
 KL_HIDDEN void kl__local_qunlock(int fd);
-/* This process and thread as ticket records name them. */
-KL_HIDDEN void kl__local_self(int64_t *pid, int64_t *tid, uint64_t *nonce);
+/* This process and thread as ticket records name them (pid, tid, nonce
+ * and thread of rec; the rest is left alone). */
+KL_HIDDEN void kl__local_self(struct kl__local_trec *rec);
 KL_HIDDEN int kl__local_write_ticket(int tfd, uint64_t n, bool shared,
 				     int64_t since_us);
 KL_HIDDEN bool kl__local_ticket_alive(struct local *lp, const char *qname,

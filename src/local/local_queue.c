@@ -271,12 +271,13 @@ self_init(void)
 }
 
 void
-kl__local_self(int64_t *pid, int64_t *tid, uint64_t *nonce)
+kl__local_self(struct kl__local_trec *rec)
 {
 	pthread_once(&self_once, self_init);
-	*pid = getpid();
-	*tid = gettid();
-	*nonce = self_nonce;
+	rec->pid = getpid();
+	rec->tid = gettid();
+	rec->nonce = self_nonce;
+	rec->thread = kl__thread_id();
 }
 
 int
@@ -288,7 +289,7 @@ kl__local_write_ticket(int tfd, uint64_t n, bool shared, int64_t since_us)
 	rec.magic = TICKET_MAGIC;
 	rec.ticket = n;
 	rec.mode = shared ? KL_LOCAL_TICKET_SHARED : 0;
-	kl__local_self(&rec.pid, &rec.tid, &rec.nonce);
+	kl__local_self(&rec);
 	rec.since_us = since_us;
 	return pwrite(tfd, &rec, sizeof rec, 0) == (ssize_t)sizeof rec ? 0
 									 : -1;

@@ -68,8 +68,9 @@
  * period, milliseconds on the hand-off path.
  *
  * KL_ERRORCHECK: a live holder's record naming the calling thread (pid,
- * tid and this process's nonce, which tells apart equal pids of PID
- * namespaces sharing the directory) makes the request KL_EDEADLK.
+ * this process's random nonce, which tells apart equal pids of PID
+ * namespaces sharing the directory, and kl__thread_id, which unlike a tid
+ * is never reused by a later thread) makes the request KL_EDEADLK.
  *
  * Every file is opened relative to the directory with O_NOFOLLOW and
  * O_NOCTTY and checked to be a regular file of the caller's with one link,
@@ -348,8 +349,8 @@ held_by_me(const struct kl__local_ticket *t, void *arg)
 	const struct kl__local_trec *me = arg;
 
 	return t->holds && t->has_grant && t->known &&
-	       t->rec.pid == me->pid && t->rec.tid == me->tid &&
-	       t->rec.nonce == me->nonce;
+	       t->rec.pid == me->pid && t->rec.nonce == me->nonce &&
+	       t->rec.thread == me->thread;
 }
 
 static int
@@ -392,7 +393,7 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	if (flags & KL_ERRORCHECK) {
 		struct kl__local_trec me;
 
-		kl__local_self(&me.pid, &me.tid, &me.nonce);
+		kl__local_self(&me);
 		if (kl__local_walk(lp, l->name, &st, held_by_me, &me) != 0) {
 			rc = kl__local_fail(err, KL_EDEADLK,
 					    "this thread holds the key already",
