@@ -3900,6 +3900,57 @@ START_TEST(test_snapshot_keys)
 }
 END_TEST
 
+struct snap_stopped {
+	kl_provider *p;
+	struct snap *sn;
+	int rc;
+};
+
+static void
+snap_stopped_main(void *arg)
+{
+	struct snap_stopped *r = arg;
+
+	r->rc = kl_provider_snapshot(r->p, snap_fn, r->sn, NULL);
+}
+
+/* A process stopped (SIGSTOP) while it holds a key's queue lock does not
+ * hang the snapshot: the key is read without the lock, and listed. */
+START_TEST(test_snapshot_stopped_queue_holder)
+{
+	const char *key = "lo:snap:stopped";
+	kl_provider *p = open_dir(g_dir);
+	struct snap_stopped r = { p, calloc(1, sizeof(struct snap)), -1 };
+	const kl_lock_info *v[4];
+	struct test_helper hs;
+	struct hold h;
+	int status;
+
+	ck_assert_ptr_nonnull(r.sn);
+	take_shared(p, key, &h);
+	helper_spawn_env(&hs, "hold", key, NULL, 0, "KL_STOP_AT",
+			 "queue-locked");
+	ck_assert_int_eq(waitpid(hs.pid, &status, WUNTRACED), hs.pid);
+	ck_assert(WIFSTOPPED(status));
+	test_run_bounded(snap_stopped_main, &r,
+			 "a snapshot to return while a queue lock's holder is "
+			 "stopped");
+	ck_assert_int_eq(r.rc, KL_OK);
+	ck_assert_int_eq(snap_of(r.sn, key, strlen(key), v, 4), 1);
+	ck_assert(!v[0]->waiting && v[0]->shared);
+	ck_assert_uint_eq(v[0]->fence, kl_lease_fence(h.lease));
+	ck_assert_int_eq(kill(hs.pid, SIGCONT), 0);
+	drop(&h);
+	test_helper_granted(&hs, HANG_GUARD_MS);
+	ck_assert_int_eq(write(hs.to, "x\n", 2), 2);
+	helper_exit_ok(&hs);
+	test_helper_close(&hs);
+	snap_free(r.sn);
+	free(r.sn);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Every allocation of a snapshot failing in turn: KL_ENOMEM with err
  * filled, nothing leaked (ASan), then it succeeds. */
 START_TEST(test_snapshot_alloc_failures)
@@ -4046,6 +4097,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_snapshot_states);
 	tcase_add_test(tc, test_snapshot_keys);
 	tcase_add_test(tc, test_snapshot_alloc_failures);
+	tcase_add_test(tc, test_snapshot_stopped_queue_holder);
 
 	tc = tcase_new(s, "crash", 600);
 	tcase_add_loop_test(tc, test_crash_point, 0, (int)N_CRASH_POINTS);
