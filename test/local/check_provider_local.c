@@ -481,12 +481,6 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 	return waiter_start_flags(p, key, timeout_ms, c, release, sh, 0);
 }
 
-static bool
-waiter_done(void *arg)
-{
-	return atomic_load(&((struct waiter *)arg)->bg.done);
-}
-
 /* Waits (bounded) for the waiter to return, then joins it. */
 static void
 waiter_join(struct waiter *w)
@@ -3269,7 +3263,7 @@ START_TEST(test_shared_processes_together)
 		char line[64];
 
 		wait_status(p, key, (size_t)(N - i), 1);
-		ck_assert(!atomic_load(&e->done));
+		ck_assert(!atomic_load(&e->bg.done));
 		ck_assert_int_eq(write(hp[i].to, "x\n", 2), 2);
 		ck_assert(test_helper_line(&hp[i], line, sizeof line,
 					   HANG_GUARD_MS));
@@ -3315,7 +3309,7 @@ START_TEST(test_shared_behind_exclusive)
 	x = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
 	wait_status(p, key, 1, 4);
 	try_refused(p, key, S);
-	ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+	ck_assert(!atomic_load(&s1->bg.done) && !atomic_load(&s2->bg.done));
 	test_assert_status(p, key, 1, 4);
 
 	drop(&h);
@@ -3323,7 +3317,7 @@ START_TEST(test_shared_behind_exclusive)
 	ck_assert_msg(e->rc == KL_OK, "exclusive: %s", kl_strerror(e->rc));
 	ck_assert_uint_eq(e->fence, f0 + 1);
 	test_assert_status(p, key, 1, 3);
-	ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+	ck_assert(!atomic_load(&s1->bg.done) && !atomic_load(&s2->bg.done));
 
 	/* Its release grants both shared ones; the exclusive one behind
 	 * them stops the run. */
@@ -3341,7 +3335,7 @@ START_TEST(test_shared_behind_exclusive)
 	test_assert_status(p, key, 2, 1);
 	waiter_free(s1);
 	test_assert_status(p, key, 1, 1);
-	ck_assert(!atomic_load(&x->done));
+	ck_assert(!atomic_load(&x->bg.done));
 	waiter_free(s2);
 	waiter_join(x);
 	ck_assert_int_eq(x->rc, KL_OK);
@@ -3389,7 +3383,7 @@ START_TEST(test_exclusive_gives_up_shared_through)
 		s2 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false,
 					NULL, S);
 		wait_status(p, key, 1, 3);
-		ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+		ck_assert(!atomic_load(&s1->bg.done) && !atomic_load(&s2->bg.done));
 		if (cancel)
 			kl_cancel_fire(c);
 		waiter_join(e);
@@ -3433,7 +3427,7 @@ START_TEST(test_shared_holder_killed)
 	wait_status(p, key, 2, 1);
 	test_helper_kill(&hp);
 	wait_status(p, key, 1, 1);
-	ck_assert(!atomic_load(&e->done));
+	ck_assert(!atomic_load(&e->bg.done));
 	drop(&h);
 	waiter_join(e);
 	ck_assert_msg(e->rc == KL_OK, "exclusive: %s: %s", kl_strerror(e->rc),
@@ -3516,7 +3510,7 @@ START_TEST(test_shared_fences_mixed)
 	ck_assert_int_eq(write(a.to, "x\n", 2), 2);
 	ck_assert(test_helper_line(&a, line, sizeof line, HANG_GUARD_MS));
 	test_assert_status(p, key, 1, 2);
-	ck_assert(!atomic_load(&x->done));
+	ck_assert(!atomic_load(&x->bg.done));
 	ck_assert_int_eq(write(b.to, "x\n", 2), 2);
 	waiter_join(x);
 	ck_assert_int_eq(x->rc, KL_OK);
