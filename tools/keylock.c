@@ -1107,19 +1107,17 @@ print_json(const struct snap *sn)
 	fputs(sn->n > 0 ? "\n]\n" : "]\n", stdout);
 }
 
-/* `keylock list [--json]`. */
+/* `keylock list [--json]` of the open provider p (o->provider is its URI,
+ * for messages). */
 static int
-run_list(const struct options *o)
+list_locks(const struct options *o, kl_provider *p)
 {
 	char ubuf[SHOWN_MAX * 2];
-	kl_provider *p = open_provider(o);
 	kl_error err = { 0 };
 	struct snap sn;
 	int rc;
 
-	rc = snap_take(p, &sn, &err);
-	kl_provider_free(p);
-	if (rc != KL_OK) {
+	if ((rc = snap_take(p, &sn, &err)) != KL_OK) {
 		note("cannot list the locks of provider '%s': %s",
 		     uri_shown(ubuf, sizeof ubuf, o->provider),
 		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
@@ -1132,6 +1130,16 @@ run_list(const struct options *o)
 	snap_free(&sn);
 	return fflush(stdout) == 0 && !ferror(stdout) ? EXIT_SUCCESS
 						      : EXIT_OSERR;
+}
+
+static int
+run_list(const struct options *o)
+{
+	kl_provider *p = open_provider(o);
+	int code = list_locks(o, p);
+
+	kl_provider_free(p);
+	return code;
 }
 
 /* `keylock status [KEY]`: one "name: value" line each, "unknown" for what

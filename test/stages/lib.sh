@@ -18,7 +18,7 @@ ME=tools/test
 
 # Debian packages the stages need, and a command or file that shows each.
 PACKAGES=(autoconf automake libtool pkg-config check libsubunit-dev make gcc
-	clang libclang-rt-dev valgrind procps)
+	clang libclang-rt-dev valgrind procps jq)
 
 export DEBIAN_FRONTEND=noninteractive
 export LC_ALL=C
@@ -233,6 +233,7 @@ tsan_env() {
 
 # install_missing [PACKAGE...]: apt-get install the packages (default:
 # PACKAGES) that are not installed.  Stages call it for their own tools.
+# jq is in PACKAGES for the keylock list tests of make check (test/cli).
 install_missing() {
 	local missing=() p want=("$@")
 	[ $# -gt 0 ] || want=("${PACKAGES[@]}")
