@@ -16,7 +16,8 @@ JOBS=${KL_JOBS:-2}
 MAKE_TIMEOUT=${KL_MAKE_TIMEOUT:-1800}
 ME=tools/test
 
-# Debian packages the stages need, and a command or file that shows each.
+# Debian packages the stages need, and a command or file that shows each
+# (jq: the keylock list tests of make check read its JSON with it).
 PACKAGES=(autoconf automake libtool pkg-config check libsubunit-dev make gcc
 	clang libclang-rt-dev valgrind procps jq)
 
@@ -233,7 +234,6 @@ tsan_env() {
 
 # install_missing [PACKAGE...]: apt-get install the packages (default:
 # PACKAGES) that are not installed.  Stages call it for their own tools.
-# jq is in PACKAGES for the keylock list tests of make check (test/cli).
 install_missing() {
 	local missing=() p want=("$@")
 	[ $# -gt 0 ] || want=("${PACKAGES[@]}")
