@@ -1,8 +1,13 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The memory provider: one holder per key within the process, in arrival
- * order, over the key table.  Every lock without a provider shares the
- * process-wide one, so two locks on one key exclude each other.
+ * The memory provider: keys of the process, in arrival order, over the key
+ * table; a key is held by one holder, or by many with KL_SHARED (W3C Web
+ * Locks' rule: see table_acquire.c).  Every lock without a provider shares
+ * the process-wide one, so two locks on one key exclude each other.
+ *
+ * A lease is the key's entry, or for a shared holder its holder record,
+ * allocated here, with the low bit of the handle set to tell them apart
+ * (both are at least 8-byte aligned).
  */
 #include "config.h"
 
@@ -10,16 +15,34 @@
 
 #include "table.h"
 
+#define SHARED_LEASE ((uintptr_t)1)
+
 static int
 mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	    int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
 	    uint64_t *fence, kl_error *err)
 {
 	struct kl__entry *e;
+	struct kl__holder *h;
 	int rc;
 
 	(void)ttl_ms; /* a memory lock cannot outlive its process anyway */
 	(void)err;
+	if (flags & KL_SHARED) {
+		*lease = NULL;
+		*fence = 0;
+		if ((h = kl__malloc(sizeof *h)) == NULL)
+			return KL_ENOMEM;
+		rc = kl__table_acquire_shared(impl, key, key_len,
+					      kl__deadline(timeout_ms), cancel,
+					      flags, h, fence);
+		if (rc != KL_OK) {
+			kl__free(h);
+			return rc;
+		}
+		*lease = (void *)((uintptr_t)h | SHARED_LEASE);
+		return KL_OK;
+	}
 	rc = kl__table_acquire(impl, key, key_len, kl__deadline(timeout_ms),
 			       cancel, flags, &e, fence);
 	*lease = e;
@@ -30,6 +53,14 @@ static int
 mem_release(void *impl, void *lease, kl_error *err)
 {
 	(void)err;
+	if ((uintptr_t)lease & SHARED_LEASE) {
+		struct kl__holder *h =
+			(void *)((uintptr_t)lease & ~SHARED_LEASE);
+
+		kl__table_release_shared(impl, h);
+		kl__free(h);
+		return KL_OK;
+	}
 	kl__table_release(impl, lease);
 	return KL_OK;
 }
@@ -40,6 +71,16 @@ mem_status(void *impl, const char *key, size_t key_len, size_t *holders,
 {
 	(void)err;
 	return kl__table_status(impl, key, key_len, holders, waiters);
+}
+
+static int
+mem_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	int rc = kl__table_snapshot(impl, fn, arg);
+
+	if (rc != KL_OK)
+		kl__error_set(err, rc, "out of memory for the snapshot");
+	return rc;
 }
 
 static void
@@ -56,6 +97,7 @@ static const kl_provider_ops memory_ops = {
 	.valid = NULL,
 	.destroy = mem_destroy,
 	.status = mem_status,
+	.snapshot = mem_snapshot,
 };
 
 static kl_provider shared_provider;

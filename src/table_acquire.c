@@ -56,6 +56,9 @@
  */
 #include "config.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #define KL__TABLE_PRIVATE
 #include "table.h"
 
@@ -227,6 +230,7 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	KL_ANNOTATE_ATOMIC(&e->state);
 	KL_ANNOTATE_ATOMIC(&e->owner_tid);
 	e->lock = NULL;
+	e->shared = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
 	b = bucket_of(s, h, key, len);
@@ -407,49 +411,300 @@ mark_waiting(struct kl__entry *e, uint64_t st)
 	return st == want; /* another waiter marked it: the same holder */
 }
 
-/* Whether a caller that finds e held must fail rather than wait: KL_EDEADLK,
- * KL_ETIMEDOUT, or KL_OK to wait.  Lock held. */
-static int
-refusal(struct kl__entry *e, int64_t deadline_ns, unsigned flags)
+/* ------------------------------------------------------------------ */
+/* Modes
+ *
+ * One FIFO queue per key holds both modes (W3C Web Locks).  A request is
+ * grantable when it is first in the queue (or the queue is empty) and,
+ * exclusive: nobody holds the key; shared: nobody holds it exclusively.
+ * Whenever the key is given back or a waiter leaves its queue (timeout,
+ * cancel), the queue is granted from its head while the head's request is
+ * grantable (pass_on): a run of shared requests at the head is granted
+ * together, and the next exclusive one stops it.  So a shared newcomer
+ * never passes a queued exclusive request, even while readers hold the
+ * key, and a queued request never waits on a key it could have: with the
+ * key held shared, the head of its queue (when one waits) wants it
+ * exclusively.
+ *
+ * Shared requests always take the shard lock, never the lock-free path of
+ * the slots: a shared holder must be linked in its entry where the lock's
+ * holder can read it (errorcheck, status, snapshots, deadlock detection),
+ * and a lock-free shared take would need a second word to count its
+ * holders.  Exclusive requests keep their lock-free path unchanged: a
+ * slot held shared is held (E_HELD), so a lock-free taker leaves it to the
+ * lock, and no shared holder ever releases by compare-and-swap.
+ */
+
+/* gettid() of the calling thread, for snapshots: asked once per thread
+ * (forgotten in a child of fork, whose thread has a new one). */
+static KL_TLS int64_t os_tid_cached;
+static pthread_once_t os_tid_once = PTHREAD_ONCE_INIT;
+
+static void
+os_tid_forget(void)
 {
-	if ((flags & KL_ERRORCHECK) &&
-	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) ==
-		    kl__thread_id())
-		return KL_EDEADLK;
-	if (deadline_ns != KL_NO_DEADLINE && kl__now_ns() >= deadline_ns)
-		return KL_ETIMEDOUT;
-	return KL_OK;
+	os_tid_cached = 0;
 }
 
-/* Takes key, or waits for it as w (prepared).  Lock held on entry,
- * released on return. */
+static void
+os_tid_init(void)
+{
+	(void)pthread_atfork(NULL, NULL, os_tid_forget);
+}
+
+static int64_t
+os_tid(void)
+{
+	if (os_tid_cached == 0) {
+		pthread_once(&os_tid_once, os_tid_init);
+#ifdef SYS_gettid
+		os_tid_cached = (int64_t)syscall(SYS_gettid);
+#endif
+	}
+	return os_tid_cached;
+}
+
+/* Links h into the shared holders of e, granted with fence f to thread
+ * tid.  Lock held. */
+static void
+holder_link(struct kl__entry *e, struct kl__holder *h, uint64_t tid,
+	    int64_t ostid, uint64_t f)
+{
+	h->entry = e;
+	h->tid = tid;
+	h->os_tid = ostid;
+	h->fence = f;
+	h->since_ns = kl__coarse_now_ns();
+	h->lock = NULL;
+	if (e->shared == NULL) {
+		h->next = h->prev = h;
+		e->shared = h;
+	} else {
+		h->next = e->shared;
+		h->prev = e->shared->prev;
+		h->prev->next = h;
+		e->shared->prev = h;
+	}
+}
+
+static void
+holder_unlink(struct kl__entry *e, struct kl__holder *h)
+{
+	if (h->next == h) {
+		e->shared = NULL;
+	} else {
+		h->prev->next = h->next;
+		h->next->prev = h->prev;
+		if (e->shared == h)
+			e->shared = h->next;
+	}
+	h->next = h->prev = NULL;
+}
+
+/* Wake-ups of granted waiters, made after the lock is dropped where the
+ * caller can; past WAKES of them, at once (a futex wake under the lock
+ * only costs the time it takes). */
+#define WAKES 8
+
+struct wakes {
+	void *w[WAKES];
+	int n;
+};
+
+static void
+wakes_add(struct wakes *k, void *wake)
+{
+	if (wake == NULL)
+		return;
+	if (k->n == WAKES)
+		kl__unpark(wake);
+	else
+		k->w[k->n++] = wake;
+}
+
+static void
+wakes_run(struct wakes *k)
+{
+	for (int i = 0; i < k->n; i++)
+		kl__unpark(k->w[i]);
+	k->n = 0;
+}
+
+/* Grants e's queue from its head while the head's request is grantable
+ * (see Modes above), the key being free (shared false and no holder) or
+ * held shared (shared true).  *f is the fence of the latest grant, and
+ * gets that of the last one made here.  Returns how many were granted;
+ * *held says whether the key is held after.  The caller writes the word.
+ * Lock held. */
+static unsigned
+pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
+	struct wakes *k)
+{
+	struct kl__waiter *w;
+	unsigned n = 0;
+
+	*held = shared;
+	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
+		struct twaiter *tw = twaiter_of(w);
+
+		if (tw->h == NULL && *held)
+			break;
+		kl__waitq_grant(&e->q, w);
+		w->data = ++*f;
+		n++;
+		*held = true;
+		if (tw->h == NULL) {
+			atomic_store_explicit(&e->owner_tid, w->tid,
+					      memory_order_relaxed);
+			wakes_add(k, kl__waiter_settle(w));
+			break;
+		}
+		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		holder_link(e, tw->h, w->tid, tw->os_tid, *f);
+		wakes_add(k, kl__waiter_settle(w));
+	}
+	return n;
+}
+
+/* The word of e held with fence f after grants, from st, its word before.
+ * Lock held. */
+static uint64_t
+held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
+{
+	return (f << FENCE_SHIFT) | (st & (E_SLOT | E_USED | E_CHAIN)) |
+	       E_HELD | (e->q.len != 0 ? E_WAITERS : 0);
+}
+
+static struct kl__entry *
+entry_of_queue(struct kl__waitq *q)
+{
+	return (struct kl__entry *)(void *)((char *)q -
+					    offsetof(struct kl__entry, q));
+}
+
+/* A waiter left q by its timeout or its cancel token (kl__waiter.left):
+ * with the key held shared, the shared requests behind it may be
+ * grantable now.  Held exclusively, nothing is.  Lock held; the key is
+ * held (a waiter only queues on a held key), so the entry stays. */
+static void
+waiter_left(struct kl__waitq *q)
+{
+	struct kl__entry *e = entry_of_queue(q);
+	struct wakes k = { .n = 0 };
+	uint64_t st, f;
+	bool held;
+
+	if (e->shared == NULL)
+		return;
+	st = state_of(e, memory_order_relaxed);
+	f = fence_of(st);
+	if (pass_on(e, &f, true, &held, &k) != 0)
+		atomic_store_explicit(&e->state, held_word(e, st, f),
+				      memory_order_relaxed);
+	/* Called inside the wait queue's own code, with the lock held
+	 * until it returns. */
+	wakes_run(&k);
+}
+
+/* Whether tid holds e, in either mode.  Lock held. */
+static bool
+holds(struct kl__entry *e, uint64_t tid)
+{
+	const struct kl__holder *h = e->shared;
+
+	if (h == NULL)
+		return atomic_load_explicit(&e->owner_tid,
+					    memory_order_relaxed) == tid;
+	do {
+		if (h->tid == tid)
+			return true;
+		h = h->next;
+	} while (h != e->shared);
+	return false;
+}
+
+/* A shared request that finds e held in word *st: grants the key at once
+ * when it is held shared and nobody waits (after granting those at the
+ * head that can be: a waiter whose expiry came but that has not woken
+ * yet may have stood before them).  KL_OK with *fence, or KEY_HELD to
+ * wait.  Lock held. */
+static int
+share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
+	  uint64_t *fence)
+{
+	struct wakes k = { .n = 0 };
+	uint64_t f;
+	bool held;
+	int rc = KEY_HELD;
+
+	if (e->shared == NULL)
+		return KEY_HELD; /* held exclusively */
+	f = fence_of(*st);
+	(void)pass_on(e, &f, true, &held, &k);
+	if (e->q.len == 0) {
+		holder_link(e, tw->h, tw->w.tid, tw->os_tid, ++f);
+		*fence = f;
+		rc = KL_OK;
+	}
+	*st = held_word(e, *st, f);
+	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	wakes_run(&k);
+	return rc;
+}
+
+/* Takes key, or waits for it as tw (prepared; tw->h set for a shared
+ * request).  Lock held on entry, released on return. */
 static int
 take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
-	     struct kl__waiter *w, int64_t deadline_ns, unsigned flags,
+	     struct twaiter *tw, int64_t deadline_ns, unsigned flags,
 	     struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *e = NULL;
 	uint64_t st = 0;
 	int rc;
 
+	tw->w.left = waiter_left;
 	for (;;) {
 		rc = take_locked(s, h, key, len, &e, &st, fence);
 		if (rc != KEY_HELD) {
-			if (rc == KL_OK)
+			if (rc == KL_OK) {
 				*out = e;
+				if (tw->h != NULL) {
+					/* Taken as if exclusively, under
+					 * the lock: nobody else changes
+					 * the word now. */
+					atomic_store_explicit(
+						&e->owner_tid, 0,
+						memory_order_relaxed);
+					holder_link(e, tw->h, tw->w.tid,
+						    tw->os_tid, *fence);
+				}
+			}
 			break;
 		}
-		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
+		if ((flags & KL_ERRORCHECK) && holds(e, tw->w.tid)) {
+			rc = KL_EDEADLK;
 			break;
+		}
+		if (tw->h != NULL &&
+		    (rc = share_now(e, tw, &st, fence)) == KL_OK) {
+			*out = e;
+			break;
+		}
+		if (deadline_ns != KL_NO_DEADLINE &&
+		    kl__now_ns() >= deadline_ns) {
+			rc = KL_ETIMEDOUT;
+			break;
+		}
 		if (mark_waiting(e, st)) {
 			/* Waiters queue only on a held key, marked, so its
 			 * holder releases through the lock and hands over. */
 			KL_ASSERT(st & E_HELD);
-			rc = kl__waitq_wait(&e->q, w, deadline_ns,
+			rc = kl__waitq_wait(&e->q, &tw->w, deadline_ns,
 					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
 			if (rc == KL_OK) {
 				*out = e;
-				*fence = w->data;
+				*fence = tw->w.data;
 			}
 			return rc;
 		}
@@ -466,39 +721,46 @@ acquire_held(struct shard *s, uint32_t h, const char *key, size_t len,
 	     int64_t deadline_ns, unsigned flags, struct kl__entry **out,
 	     uint64_t *fence)
 {
-	struct kl__waiter w;
+	struct twaiter tw;
 	int rc;
 
-	kl__waiter_prepare(&w, &s->lock, NULL);
-	rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out, fence);
-	kl__waiter_finish(&w);
+	kl__waiter_prepare(&tw.w, &s->lock, NULL);
+	tw.h = NULL;
+	tw.os_tid = os_tid();
+	rc = take_or_wait(s, h, key, len, &tw, deadline_ns, flags, out,
+			  fence);
+	kl__waiter_finish(&tw.w);
 	return rc;
 }
 
-/* kl__table_acquire with a cancel token. */
+/* kl__table_acquire with a cancel token, and every shared request (holder
+ * set). */
 static __attribute__((noinline)) int
-acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
-		    int64_t deadline_ns, kl_cancel *c, unsigned flags,
-		    struct kl__entry **out, uint64_t *fence)
+acquire_locked(struct shard *s, uint32_t h, const char *key, size_t len,
+	       int64_t deadline_ns, kl_cancel *c, unsigned flags,
+	       struct kl__holder *holder, struct kl__entry **out,
+	       uint64_t *fence)
 {
-	struct kl__waiter w;
+	struct twaiter tw;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
-	if ((rc = kl__waiter_prepare(&w, &s->lock, c)) != KL_OK)
+	if ((rc = kl__waiter_prepare(&tw.w, &s->lock, c)) != KL_OK)
 		return rc;
+	tw.h = holder;
+	tw.os_tid = os_tid();
 	pthread_mutex_lock(&s->lock);
-	if (w.state == KL_W_DONE) {
+	if (tw.w.state == KL_W_DONE) {
 		/* A fire between registering and here settled the waiter
 		 * already: once kl_cancel_fire has returned, nothing may be
 		 * granted to it. */
-		rc = w.status;
+		rc = tw.w.status;
 		pthread_mutex_unlock(&s->lock);
 	} else {
-		rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out,
+		rc = take_or_wait(s, h, key, len, &tw, deadline_ns, flags, out,
 				  fence);
 	}
-	kl__waiter_finish(&w);
+	kl__waiter_finish(&tw.w);
 	return rc;
 }
 
@@ -516,8 +778,8 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	*out = NULL;
 	*fence = 0;
 	if (c != NULL)
-		return acquire_cancellable(s, h, key, len, deadline_ns, c,
-					   flags, out, fence);
+		return acquire_locked(s, h, key, len, deadline_ns, c, flags,
+				      NULL, out, fence);
 	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
 		return KL_OK;
 	pthread_mutex_lock(&s->lock);
@@ -531,35 +793,51 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	return rc;
 }
 
-/* kl__table_release when the compare-and-swap cannot do: waiters marked,
- * or a chained entry. */
-static __attribute__((noinline)) void
-release_locked(struct shard *s, struct kl__entry *e)
+int
+kl__table_acquire_shared(struct kl__table *t, const char *key, size_t len,
+			 int64_t deadline_ns, kl_cancel *c, unsigned flags,
+			 struct kl__holder *holder, uint64_t *fence)
 {
-	struct kl__waiter *w;
-	void *wake = NULL, *prod = NULL;
+	uint32_t h = hash_of(t, key, len);
+	struct kl__entry *e = NULL;
+
+	*fence = 0;
+	return acquire_locked(shard_of(t, h), h, key, len, deadline_ns, c,
+			      flags, holder, &e, fence);
+}
+
+/* kl__table_release when the compare-and-swap cannot do (waiters marked,
+ * a chained entry) and every release of a shared holder (h): the key
+ * passes on to whom its queue's head makes grantable, or is left idle or
+ * freed. */
+static __attribute__((noinline)) void
+release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
+{
+	struct wakes k = { .n = 0 };
+	void *prod = NULL;
 	uint64_t st, f;
+	bool held = false;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes a held word now (a lock-free
-	 * taker needs it free, and the caller is the holder), so plain
+	 * taker needs it free, and the caller is a holder), so plain
 	 * stores do. */
 	st = state_of(e, memory_order_relaxed);
 	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
+	KL_ASSERT((h != NULL) == (e->shared != NULL));
 	f = fence_of(st);
-	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
-		atomic_store_explicit(&e->owner_tid, w->tid,
+	if (h != NULL) {
+		KL_ASSERT(h->entry == e);
+		holder_unlink(e, h);
+		held = e->shared != NULL;
+	}
+	if (pass_on(e, &f, held, &held, &k) != 0) {
+		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
-		w->data = f + 1;
-		atomic_store_explicit(
-			&e->state,
-			((f + 1) << FENCE_SHIFT) |
-				(st & (E_SLOT | E_USED | E_CHAIN)) | E_HELD |
-				(e->q.len != 0 ? E_WAITERS : 0),
-			memory_order_relaxed);
-		wake = kl__waiter_settle(w);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
+	} else if (held) {
+		e = NULL; /* other shared holders remain */
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
@@ -572,7 +850,7 @@ release_locked(struct shard *s, struct kl__entry *e)
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
-	kl__unpark(wake);
+	wakes_run(&k);
 	kl__unpark(prod);
 	kl__free(e);
 }
@@ -600,7 +878,18 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 			return;
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e);
+		       e, NULL);
+}
+
+void
+kl__table_release_shared(struct kl__table *t, struct kl__holder *h)
+{
+	struct kl__entry *e = h->entry;
+
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	release_locked(shard_of(t, __atomic_load_n(&e->hash,
+						   __ATOMIC_RELAXED)),
+		       e, h);
 }
 
 #ifdef KL_TEST_HOOKS

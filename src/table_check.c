@@ -13,6 +13,50 @@
 #ifdef KL_TEST_HOOKS
 /* GCOVR_EXCL_START: invariant checks of the test build; their failure
  * branches run only on a broken invariant, and users never get them. */
+/* The modes of entry e, held or not in word st (read when it stood still):
+ * shared holders only on a held key, each linked both ways and naming e,
+ * with no exclusive holder beside them; and with the key held shared, no
+ * queued request that could have it (a shared one at the head).  Lock
+ * held. */
+static int
+check_modes(struct kl__entry *e, uint64_t st, const char *what)
+{
+	const struct kl__holder *h = e->shared;
+	size_t n = 0;
+
+	if (h == NULL)
+		return KL_OK;
+	if (!(st & E_HELD) ||
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
+		kl__test_report("%s: shared holders with state %#llx, owner "
+				"%llu",
+				what, (unsigned long long)st,
+				(unsigned long long)atomic_load_explicit(
+					&e->owner_tid, memory_order_relaxed));
+		return KL_EINVAL;
+	}
+	do {
+		if (++n > 1000000 || h->entry != e || h->next == NULL ||
+		    h->prev == NULL || h->next->prev != h ||
+		    h->prev->next != h || h->tid == 0 ||
+		    h->fence > fence_of(st) || h->fence == 0) {
+			kl__test_report("%s: shared holder %zu badly linked "
+					"or named",
+					what, n);
+			return KL_EINVAL;
+		}
+		h = h->next;
+	} while (h != e->shared);
+	if (e->q.head != NULL && twaiter_of(e->q.head)->h != NULL &&
+	    e->q.head->expire_ns > kl__now_ns()) {
+		kl__test_report("%s: held shared, and a shared request "
+				"waits at the head",
+				what);
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+
 /* Chained entry e of shard i, found in bucket b.  Lock held. */
 static int
 check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
@@ -59,11 +103,15 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 				(unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0) {
+	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0 &&
+	    e->shared == NULL) {
 		kl__test_report("shard %d: entry '%s' has no holder", i,
 				shown);
 		return KL_EINVAL;
 	}
+	snprintf(what, sizeof what, "shard %d: entry '%s'", i, shown);
+	if (check_modes(e, st, what) != KL_OK)
+		return KL_EINVAL;
 	if (e->len < INLINE_KEY) {
 		struct kl__entry *slot;
 
@@ -132,6 +180,9 @@ check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 				(unsigned)s->nchain[j]);
 		return KL_EINVAL;
 	}
+	snprintf(what, sizeof what, "shard %d: slot %u", i, j);
+	if (check_modes(e, st, what) != KL_OK)
+		return KL_EINVAL;
 	snprintf(what, sizeof what, "shard %d: queue of slot %u", i, j);
 	return kl__waitq_check(&e->q, &s->lock, what);
 }
