@@ -792,7 +792,8 @@ snap_add(const kl_lock_info *info, void *arg)
 		e->key[info->key_len] = '\0';
 		e->key_len = info->key_len;
 	}
-	if (info->detail != NULL && (e->detail = strdup(info->detail)) == NULL) {
+	if (info->detail != NULL &&
+	    (e->detail = strdup(info->detail)) == NULL) {
 		free(e->key);
 		goto nomem;
 	}
@@ -918,7 +919,7 @@ age_cell(char *buf, size_t size, int64_t ms)
 	return buf;
 }
 
-#define KEY_CELL_MAX 48 /* characters of a key in the table */
+#define KEY_CELL_MAX 48 /* a key in the table: 45 characters and "..." */
 #define LIST_COLS 9
 
 static const char *const list_head[LIST_COLS] = {
@@ -931,7 +932,8 @@ list_row(char cell[LIST_COLS][KEY_CELL_MAX + 8], const struct entry *e)
 {
 	key_cell(cell[0], KEY_CELL_MAX + 1, e);
 	snprintf(cell[1], sizeof cell[1], "%s", e->shared ? "SHARED" : "EXCL");
-	snprintf(cell[2], sizeof cell[2], "%s", e->waiting ? "waiting" : "held");
+	snprintf(cell[2], sizeof cell[2], "%s",
+		 e->waiting ? "waiting" : "held");
 	if (e->waiting)
 		snprintf(cell[3], sizeof cell[3], "%zu", e->position + 1);
 	else

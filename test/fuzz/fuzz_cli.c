@@ -10,7 +10,8 @@
  * argv[0].  Checks, besides crashes and leaks: parse_args only exits with
  * 0 or 64; when it returns, the options are complete and in range (a key,
  * `status`, or `list` with no key, a command after "--", durations >= 0
- * or KL_FOREVER, an exit code 0-255).  The messages keylock prints go to /dev/null.
+ * or KL_FOREVER, an exit code 0-255).  The messages keylock prints go to
+ * /dev/null.
  */
 #include "config.h"
 
