@@ -1925,10 +1925,10 @@ run_locked(const struct options *o)
 
 	if (rc == KL_OK) {
 		if (o->verbose)
-			note("acquired '%s' %s after %" PRId64
-			     " ms (fence %" PRIu64 ")",
-			     kbuf, o->shared ? "shared" : "exclusively",
-			     rep.waited_ms, kl_lease_fence(lease));
+			note("acquired '%s' after %" PRId64
+			     " ms (fence %" PRIu64 "%s)",
+			     kbuf, rep.waited_ms, kl_lease_fence(lease),
+			     o->shared ? ", shared" : "");
 		/* A set passes its first key in canonical order. */
 		if (command_init(&cmd, o->command, kl_lease_key(lease),
 				 kl_lease_fence(lease)) != 0) {

@@ -100,6 +100,11 @@ rm -f "$TMP/c.out"
 kl "${P[@]}" --shared --timeout=5 -c 'echo two >"$KL_TEST_OUT"' k
 expect_rc 0 "--shared --timeout=5 -c STRING KEY"
 [ "$(cat "$TMP/c.out")" = two ] || fail "--shared -c STRING KEY did not run"
+# -v says the lock is shared.
+kl "${P[@]}" -v -s -n k -- true
+expect_rc 0 "-v -s while -s holds"
+grep -Eq "^keylock: acquired 'k' after [0-9]+ ms \(fence [0-9]+, shared\)$" "$ERR" ||
+	fail "-v -s: the acquired line does not say shared"
 # A set taken shared: k is held -s, so both keys are granted.
 kl "${P[@]}" -s -n -k k -k k2 -- true
 expect_rc 0 "-s -k k -k k2 while k is held -s"
