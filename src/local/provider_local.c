@@ -17,45 +17,60 @@
  * naming the files: a reader of the directory cannot confirm a guessed key
  * name.  A collision only makes two keys share one queue.
  *
- * Each key has a queue file "q<hash>" holding a magic number, two ticket
- * counters, next and serving, and the last fence; each ticket n in use has
- * a ticket file "q<hash>.n" on which its owner keeps an exclusive flock(2)
- * for as long as it waits or holds.  The queue file's own flock guards the
- * counters and is held only for a few system calls at a time, but it is
- * never waited for blindly: a process stopped while holding it (SIGSTOP, a
- * debugger, a frozen cgroup) must not hang the others beyond their
- * timeouts, so it is taken with LOCK_NB and short sleeps bounded by the
- * caller's deadline and cancel token, and status reads without it.
+ * Each key has a queue file "q<hash>" holding a magic number, three ticket
+ * counters, next, serving and granted, the last fence, and the key itself
+ * (when at most KL_LOCAL_KEY_KEEP bytes; for kl_provider_snapshot); each
+ * ticket n in use has a ticket file "q<hash>.n" on which its owner keeps
+ * an exclusive flock(2) for as long as it waits or holds, and which
+ * records its mode (shared or exclusive), pid, tid, a per-process nonce,
+ * when it queued and, once granted, its fence and when.  The queue file's
+ * own flock guards the counters and is held only for a few system calls
+ * at a time, but it is never waited for blindly: a process stopped while
+ * holding it (SIGSTOP, a debugger, a frozen cgroup) must not hang the
+ * others beyond their timeouts, so it is taken with LOCK_NB and short
+ * sleeps bounded by the caller's deadline and cancel token, and status
+ * reads without it.
  *
  * Invariants, all kept under the queue file's flock:
- * - a ticket file is created (and flocked by its owner) and unlinked only
- *   under the queue lock, so nobody ever sees a fresh unlocked ticket;
- * - ticket `serving` holds the key while its file is flocked; a ticket whose
- *   file is missing or can be flocked by someone else has no live owner
- *   (it gave up, released, or its process died and the kernel dropped the
- *   flock), and whoever looks next skips it: that is how a holder or a
- *   waiter killed with SIGKILL stops blocking the others, and how a
- *   release that could not take the queue lock in time still frees the key
- *   (it just closes its ticket);
+ * - a ticket file is created (its record written, then flocked by its
+ *   owner) and unlinked only under the queue lock, so nobody ever sees a
+ *   fresh unlocked ticket;
+ * - serving <= granted <= next; the live tickets below granted hold the
+ *   key (one exclusive, or any number of shared ones), those from granted
+ *   on wait, in arrival order (the grant rule, W3C Web Locks', is in
+ *   local_queue.c: whoever has the queue lock after a change grants the
+ *   waiters at the head that may be granted, so a run of shared requests
+ *   is granted together and a shared one never passes an exclusive one);
+ * - a ticket whose file is missing or can be flocked by someone else has
+ *   no live owner (it gave up, released, or its process died and the
+ *   kernel dropped the flock), and whoever looks next skips it: that is
+ *   how a holder or a waiter killed with SIGKILL stops blocking the
+ *   others, and how a release that could not take the queue lock in time
+ *   still frees the key (it just closes its ticket);
  * - a queue file with no ticket left (serving == next) is removed by the
  *   one leaving it, under its lock, once its fence is behind the wall
  *   clock, with the file of ticket next that a process killed before
- *   counting it may have left: idle keys leave nothing behind.  Whoever opened it before the
- *   unlink sees, once it has the lock, that it has no link left and opens
- *   the name again.
+ *   counting it may have left: idle keys leave nothing behind.  Whoever
+ *   opened it before the unlink sees, once it has the lock, that it has
+ *   no link left and opens the name again.
  * Fences: a new queue file starts from the wall clock in microseconds and
- * each grant adds one.  The file is only removed when its fence is behind
- * the clock, so a key's fence never repeats or goes back, even across a
- * removed or replaced directory, as long as the wall clock does not go back
- * and a key is granted at most once per microsecond on average (a grant
- * costs several system calls).
- * Tickets are taken in arrival order at the queue lock and served in ticket
- * order: FIFO across processes.  Waiters sleep on inotify (a ticket file
- * unlinked, or closed by a dying process) with a short poll as a fallback,
- * so a lost event delays a waiter, never strands it.  Inotify descriptors
- * are kept in a small per-provider pool rather than closed after each wait:
- * closing one waits for an RCU grace period, milliseconds on the hand-off
- * path.
+ * each grant, shared or exclusive, adds one.  The file is only removed
+ * when its fence is behind the clock, so a key's fence never repeats or
+ * goes back, even across a removed or replaced directory, as long as the
+ * wall clock does not go back and a key is granted at most once per
+ * microsecond on average (a grant costs several system calls).
+ * Tickets are taken in arrival order at the queue lock and granted in
+ * ticket order: FIFO across processes.  Waiters sleep on inotify (a ticket
+ * file unlinked, written with a grant, or closed by a dying process) with
+ * a short poll as a fallback, so a lost event delays a waiter, never
+ * strands it.  Inotify descriptors are kept in a small per-provider pool
+ * rather than closed after each wait: closing one waits for an RCU grace
+ * period, milliseconds on the hand-off path.
+ *
+ * KL_ERRORCHECK: a live holder's record naming the calling thread (pid,
+ * this process's random nonce, which tells apart equal pids of PID
+ * namespaces sharing the directory, and kl__thread_id, which unlike a tid
+ * is never reused by a later thread) makes the request KL_EDEADLK.
  *
  * Every file is opened relative to the directory with O_NOFOLLOW and
  * O_NOCTTY and checked to be a regular file of the caller's with one link,
@@ -79,320 +94,38 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "internal.h"
-
-#define POLL_MS 20      /* fallback re-check while waiting */
-#define TRY_GRACE_MS 50 /* a try-once may wait this long for the queue lock */
-#define RELEASE_GRACE_MS 200 /* release waits this long for it, then just
-				* drops its ticket */
-#define MAX_TICKETS (1u << 20) /* more tickets in use: damaged state */
-#define QUEUE_MAGIC 0x314b4c51514b4c4bULL
-#define POOL_MAX 4 /* inotify descriptors kept per provider */
+#include "local_internal.h"
 
 /*
- * Crash points (test build only): KL_CRASH_POINT("name") kills the process
- * with SIGKILL when the environment variable KL_CRASH_AT, read once, names
- * that point, and stops it with SIGSTOP when KL_STOP_AT names it.
- * test/local/check_provider_local kills helper processes at each step of queue
- * mutation this way and checks that the next acquirer repairs the state,
- * and stops one with the queue lock held to check that nobody hangs.  The
- * names, in the order a process meets them:
+ * Crash points (KL_CRASH_POINT, local_internal.h), in the order a process
+ * meets them; test/local/check_provider_local kills helper processes at
+ * each and checks that the next acquirer repairs the state, and stops one
+ * with the queue lock held to check that nobody hangs:
  *   queue-opened      queue file open, queue lock not taken
  *   queue-locked      queue lock held, nothing changed
  *   ticket-unlinked   a leftover file of the new number removed
- *   ticket-created    ticket file created, not flocked, not counted
+ *   ticket-created    ticket file created with its record, not flocked,
+ *                     not counted
  *   ticket-flocked    ticket file flocked, not counted
  *   ticket-counted    ticket counted (next written), queue lock held
  *   waiting           about to drop the queue lock and sleep
- *   dead-skipped      a dead ticket's file removed, serving not written
- *   granting          serving is ours, the new fence not written
- *   granted           fence written, queue lock held
+ *   dead-skipped      a dead ticket's file removed, the counters not
+ *                     written (local_queue.c)
+ *   granting          a ticket (maybe another's) about to be granted,
+ *                     nothing written (local_queue.c)
+ *   grant-recorded    its fence written in its file, the counters not
+ *                     (local_queue.c)
+ *   granted           the owner found its grant, queue lock held
  *   release-locked    releasing: queue lock held, nothing changed
- *   release-unlinked  releasing: ticket file removed, serving not moved
- *   release-advanced  releasing: serving moved on (or the idle queue file
- *                     removed), queue lock held
+ *   release-unlinked  releasing: ticket file removed, the queue not
+ *                     processed
+ *   release-advanced  releasing: the queue processed (or the idle queue
+ *                     file removed), queue lock held
  */
-#ifdef KL_TEST_HOOKS
-#include <signal.h>
 
-static const char *crash_at, *stop_at;
-static pthread_once_t crash_once = PTHREAD_ONCE_INIT;
-
-static void
-crash_init(void)
-{
-	/* Read once, under pthread_once, in test builds only. */
-	crash_at = getenv("KL_CRASH_AT"); /* NOLINT(concurrency-mt-unsafe) */
-	stop_at = getenv("KL_STOP_AT");   /* NOLINT(concurrency-mt-unsafe) */
-}
-
-static void
-crash_point(const char *name)
-{
-	pthread_once(&crash_once, crash_init);
-	if (crash_at != NULL && strcmp(crash_at, name) == 0)
-		kill(getpid(), SIGKILL);
-	if (stop_at != NULL && strcmp(stop_at, name) == 0)
-		kill(getpid(), SIGSTOP);
-}
-#define KL_CRASH_POINT(name) crash_point(name)
-#else
-#define KL_CRASH_POINT(name) ((void)0)
-#endif
-
-struct local {
-	int dirfd;
-	char *path; /* absolute, normalized */
-	dev_t dev;  /* the directory as opened */
-	ino_t ino;
-	uint64_t k0, k1; /* the directory's secret */
-	int sfd;         /* the secret's file, kept open (see lease_lost) */
-	dev_t sdev;
-	ino_t sino;
-	pthread_mutex_t pool_lock;
-	int pool[POOL_MAX]; /* idle inotify descriptors */
-	int npool;
-};
-
-struct local_lease {
-	int qfd, tfd;
-	uint64_t ticket;
-	dev_t qdev, tdev;
-	ino_t qino, tino;
-	void (*lost)(void *ctx);
-	void *lost_ctx;
-	char name[24]; /* "q" + 16 hex digits */
-};
-
-struct qstate {
-	uint64_t magic, next, serving, fence;
-};
-
-static int
-fail(kl_error *err, int rc, const char *what, int errnum)
-{
-	if (errnum != 0)
-		kl__error_set(err, rc, "local provider: %s: %s", what,
-			      strerror(errnum));
-	else
-		kl__error_set(err, rc, "local provider: %s", what);
-	return rc;
-}
-
-/* Like fail, naming the file name of the directory. */
-static int
-fail_file(struct local *lp, kl_error *err, const char *what,
-	  const char *name, int errnum)
-{
-	kl__error_set(err, KL_EPROVIDER, "local provider: %s %s/%s%s%s", what,
-		      lp->path, name, errnum != 0 ? ": " : "",
-		      errnum != 0 ? strerror(errnum) : "");
-	return KL_EPROVIDER;
-}
-
-/* The wall clock in microseconds: the one place it is used, for fences
- * that must not repeat once a key's state is gone (see the top). */
-static uint64_t
-wall_us(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_REALTIME, &ts);
-	return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
-}
-
-/* Opens name in the directory, refusing anything but a regular file of
- * ours with one link: fd, -EPERM (refused, err filled), -EAGAIN (removed
- * meanwhile) or -errno. */
-static int
-open_checked(struct local *lp, const char *name, int flags, kl_error *err)
-{
-	struct stat st;
-	int fd = openat(lp->dirfd, name,
-			flags | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY,
-			0600);
-
-	if (fd < 0)
-		return -errno;
-	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
-	    st.st_uid != geteuid() || st.st_nlink > 1) {
-		close(fd);
-		kl__error_set(err, KL_EPROVIDER,
-			      "local provider: refusing %s/%s: not a regular "
-			      "file of uid %lu with a single link (planted?); "
-			      "remove it",
-			      lp->path, name, (unsigned long)geteuid());
-		return -EPERM;
-	}
-	if (st.st_nlink == 0) {
-		close(fd);
-		return -EAGAIN;
-	}
-	return fd;
-}
-
-static void
-ticket_name(char *buf, size_t size, const char *qname, uint64_t n)
-{
-	snprintf(buf, size, "%s.%" PRIu64, qname, n);
-}
-
-/* Reads and checks the queue file's state; an empty file is a fresh
- * queue, whose fences start from the wall clock. */
-static int
-read_state(struct local *lp, const char *name, int qfd, struct qstate *st,
-	   kl_error *err)
-{
-	char buf[sizeof *st + 1];
-	ssize_t n = pread(qfd, buf, sizeof buf, 0);
-
-	if (n < 0)
-		return fail_file(lp, err, "cannot read", name, errno);
-	if (n == 0) {
-		st->magic = QUEUE_MAGIC;
-		st->next = st->serving = 0;
-		st->fence = wall_us();
-		return KL_OK;
-	}
-	if (n != (ssize_t)sizeof *st) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "local provider: the queue file %s/%s is damaged "
-			      "(%zd bytes, not %zu); remove it once no process "
-			      "uses the key",
-			      lp->path, name, n, sizeof *st);
-		return KL_EPROVIDER;
-	}
-	memcpy(st, buf, sizeof *st);
-	if (st->magic != QUEUE_MAGIC || st->serving > st->next ||
-	    st->next - st->serving > MAX_TICKETS || st->next > UINT64_MAX / 4 ||
-	    st->fence > UINT64_MAX / 4) {
-		kl__error_set(err, KL_EPROVIDER,
-			      "local provider: the queue file %s/%s is damaged "
-			      "(next %" PRIu64 ", serving %" PRIu64
-			      ", fence %" PRIu64 "); remove it once no process "
-			      "uses the key",
-			      lp->path, name, st->next, st->serving, st->fence);
-		return KL_EPROVIDER;
-	}
-	return KL_OK;
-}
-
-static int
-write_state(int qfd, const struct qstate *st)
-{
-	return pwrite(qfd, st, sizeof *st, 0) == (ssize_t)sizeof *st ? 0 : -1;
-}
-
-/* Takes the queue lock by the deadline (KL_NO_DEADLINE: none) unless
- * cancel fires first.  Never a blocking flock: its holder may be stopped. */
-static int
-qlock(int qfd, int64_t deadline, kl_cancel *cancel)
-{
-	int64_t backoff = 20000, ns, now;
-	struct timespec ts;
-
-	/* The lock is normally held for microseconds: start with short
-	 * sleeps, growing to 2 ms for a holder that is stuck. */
-	for (;;) {
-		if (flock(qfd, LOCK_EX | LOCK_NB) == 0)
-			return KL_OK;
-		if (errno == EINTR)
-			continue;
-		if (errno != EWOULDBLOCK)
-			return KL_EPROVIDER;
-		if (kl_cancel_fired(cancel))
-			return KL_ECANCELED;
-		now = kl__now_ns();
-		if (deadline != KL_NO_DEADLINE && now >= deadline)
-			return KL_ETIMEDOUT;
-		ns = backoff;
-		if (deadline != KL_NO_DEADLINE && deadline - now < ns)
-			ns = deadline - now;
-		ts.tv_sec = 0;
-		ts.tv_nsec = (long)ns;
-		nanosleep(&ts, NULL);
-		if (backoff < 2000000)
-			backoff *= 2;
-	}
-}
-
-static void
-qunlock(int qfd)
-{
-	flock(qfd, LOCK_UN);
-}
-
-/* Whether ticket n has a live owner.  Queue lock held (then a dead
- * ticket's file is removed) or, for status, not (then nothing changes). */
-static bool
-ticket_alive(struct local *lp, const char *qname, uint64_t n, bool locked)
-{
-	char tname[48];
-	struct stat st;
-	bool alive;
-	int fd;
-
-	ticket_name(tname, sizeof tname, qname, n);
-	/* Read-only: closing it must not raise the inotify event that
-	 * waiters sleep on (IN_CLOSE_WRITE), or waiters would wake each
-	 * other forever. */
-	/* O_NONBLOCK: a FIFO planted in place of a ticket must not hang us
-	 * (with the queue lock held, that would hang the key). */
-	fd = openat(lp->dirfd, tname,
-		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-	/* Missing, or a link or socket planted: no owner.  Out of
-	 * descriptors or memory we cannot tell, and skipping a live holder
-	 * would grant the key twice: count it alive, whoever looks next
-	 * tells. */
-	if (fd < 0)
-		return errno == EMFILE || errno == ENFILE || errno == ENOMEM ||
-		       errno == EINTR;
-	if (fstat(fd, &st) != 0) {
-		close(fd);
-		return true;
-	}
-	if (!S_ISREG(st.st_mode) || st.st_uid != geteuid()) {
-		/* Not a ticket of ours: no live owner can hold it. */
-		close(fd);
-		if (locked)
-			unlinkat(lp->dirfd, tname, 0);
-		return false;
-	}
-	/* Shared when only looking, so that two lookers cannot make a dead
-	 * ticket look alive to each other.  A failure other than
-	 * EWOULDBLOCK (ENOLCK) does not tell either: alive. */
-	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0;
-	if (!alive && locked)
-		unlinkat(lp->dirfd, tname, 0);
-	close(fd);
-	return alive;
-}
-
-/* Moves serving past tickets without a live owner, up to mine.  Queue lock
- * held; st is written back when it changed. */
-static int
-advance(struct local *lp, const char *qname, int qfd, struct qstate *st,
-	uint64_t mine)
-{
-	uint64_t from = st->serving;
-
-	while (st->serving < mine &&
-	       !ticket_alive(lp, qname, st->serving, true)) {
-		KL_CRASH_POINT("dead-skipped");
-		st->serving++;
-	}
-	if (st->serving != from && write_state(qfd, st) != 0)
-		return -1;
-	return 0;
-}
-
-static void
-key_name(struct local *lp, char *buf, size_t size, const char *key,
-	 size_t len)
-{
-	snprintf(buf, size, "q%016" PRIx64,
-		 kl__siphash(lp->k0, lp->k1, key, len));
-}
+#define POLL_MS 20      /* fallback re-check while waiting */
+#define RELEASE_GRACE_MS 200 /* release waits this long for it, then just
+				* drops its ticket */
 
 static bool
 same_file(const struct stat *a, dev_t dev, ino_t ino)
@@ -406,7 +139,7 @@ same_file(const struct stat *a, dev_t dev, ino_t ino)
 static bool
 lease_lost(struct local *lp, const struct local_lease *l)
 {
-	char tname[48];
+	char tname[KL_LOCAL_TNAME];
 	struct stat st;
 
 	if (stat(lp->path, &st) != 0 || !same_file(&st, lp->dev, lp->ino))
@@ -421,7 +154,7 @@ lease_lost(struct local *lp, const struct local_lease *l)
 	if (fstatat(lp->dirfd, l->name, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
 	    !same_file(&st, l->qdev, l->qino))
 		return true;
-	ticket_name(tname, sizeof tname, l->name, l->ticket);
+	kl__local_ticket_name(tname, sizeof tname, l->name, l->ticket);
 	return fstatat(lp->dirfd, tname, &st, AT_SYMLINK_NOFOLLOW) != 0 ||
 	       !same_file(&st, l->tdev, l->tino);
 }
@@ -459,24 +192,24 @@ unlink_own(struct local *lp, const char *name, dev_t dev, ino_t ino)
 static int
 leave(struct local *lp, struct local_lease *l, kl_error *err)
 {
-	char tname[48];
-	struct qstate st;
+	char tname[KL_LOCAL_TNAME];
+	struct kl__local_qstate st;
 	struct stat qst;
 	int rc;
 
 	/* The ticket file goes first: a process dying between the two
 	 * steps leaves a ticket without a file, which the next one skips,
 	 * rather than a file nobody would ever remove. */
-	ticket_name(tname, sizeof tname, l->name, l->ticket);
+	kl__local_ticket_name(tname, sizeof tname, l->name, l->ticket);
 	unlink_own(lp, tname, l->tdev, l->tino);
 	KL_CRASH_POINT("release-unlinked");
-	rc = read_state(lp, l->name, l->qfd, &st, err);
+	rc = kl__local_read_state(lp, l->name, l->qfd, &st, err);
 	if (rc == KL_OK) {
-		/* Past our own ticket and any dead one, up to a live one. */
-		if (advance(lp, l->name, l->qfd, &st, st.next) != 0)
-			rc = fail_file(lp, err, "cannot update", l->name,
-				       errno);
-		else if (st.serving == st.next && st.fence < wall_us() &&
+		/* Past our own ticket and any dead one, granting the
+		 * waiters at the head that may be granted now. */
+		rc = kl__local_process(lp, l->name, l->qfd, &st, NULL, err);
+		if (rc == KL_OK && st.serving == st.next &&
+		    st.fence < kl__local_wall_us() &&
 			 fstatat(lp->dirfd, l->name, &qst,
 				 AT_SYMLINK_NOFOLLOW) == 0 &&
 			 same_file(&qst, l->qdev, l->qino)) {
@@ -484,13 +217,14 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 			 * and counting it left one numbered next, which
 			 * only the next ticket taken would replace: once
 			 * the queue file is gone, none will. */
-			ticket_name(tname, sizeof tname, l->name, st.next);
+			kl__local_ticket_name(tname, sizeof tname, l->name,
+					      st.next);
 			unlinkat(lp->dirfd, tname, 0);
 			unlinkat(lp->dirfd, l->name, 0);
 		}
 	}
 	KL_CRASH_POINT("release-advanced");
-	qunlock(l->qfd);
+	kl__local_qunlock(l->qfd);
 	close(l->tfd);
 	close(l->qfd);
 	return rc;
@@ -531,7 +265,7 @@ watch_put(struct local *lp, int ifd)
 	if (ifd < 0)
 		return;
 	pthread_mutex_lock(&lp->pool_lock);
-	if (lp->npool < POOL_MAX) {
+	if (lp->npool < KL_LOCAL_POOL_MAX) {
 		lp->pool[lp->npool++] = ifd;
 		ifd = -1;
 	}
@@ -573,31 +307,31 @@ open_queue(struct local *lp, struct local_lease *l, int64_t qdeadline,
 	int rc;
 
 	for (int tries = 0;; tries++) {
-		l->qfd = open_checked(lp, l->name, O_RDWR | O_CREAT, err);
+		l->qfd = kl__local_open_checked(lp, l->name, O_RDWR | O_CREAT, err);
 		if (l->qfd == -EAGAIN && tries < 1000)
 			continue;
 		if (l->qfd < 0)
 			return l->qfd == -EPERM
 				       ? KL_EPROVIDER
-				       : fail_file(lp, err, "cannot open",
+				       : kl__local_fail_file(lp, err, "cannot open",
 						   l->name, -l->qfd);
 		KL_CRASH_POINT("queue-opened");
-		if ((rc = qlock(l->qfd, qdeadline, cancel)) != KL_OK) {
+		if ((rc = kl__local_qlock(l->qfd, qdeadline, cancel)) != KL_OK) {
 			if (rc == KL_EPROVIDER)
-				fail_file(lp, err, "cannot lock", l->name,
+				kl__local_fail_file(lp, err, "cannot lock", l->name,
 					  errno);
 			close(l->qfd);
 			return rc;
 		}
 		if (fstat(l->qfd, &st) != 0) {
-			rc = fail_file(lp, err, "cannot stat", l->name, errno);
+			rc = kl__local_fail_file(lp, err, "cannot stat", l->name, errno);
 			close(l->qfd);
 			return rc;
 		}
 		/* Unlinked as idle by its last user between our open and
 		 * our lock: the live queue is under the name again. */
 		if (st.st_nlink == 0 && tries < 1000) {
-			qunlock(l->qfd);
+			kl__local_qunlock(l->qfd);
 			close(l->qfd);
 			continue;
 		}
@@ -605,6 +339,18 @@ open_queue(struct local *lp, struct local_lease *l, int64_t qdeadline,
 		l->qino = st.st_ino;
 		return KL_OK;
 	}
+}
+
+/* KL_ERRORCHECK: whether a live holder of the queue is the calling
+ * thread (a walk's callback; arg is this thread's record). */
+static int
+held_by_me(const struct kl__local_ticket *t, void *arg)
+{
+	const struct kl__local_trec *me = arg;
+
+	return t->holds && t->has_grant && t->known &&
+	       t->rec.pid == me->pid && t->rec.nonce == me->nonce &&
+	       t->rec.thread == me->thread;
 }
 
 static int
@@ -615,45 +361,67 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	struct local *lp = impl;
 	struct local_lease *l;
 	int64_t deadline = kl__deadline(timeout_ms);
-	char tname[48];
-	struct qstate st;
+	char tname[KL_LOCAL_TNAME];
+	struct kl__local_qstate st;
 	struct stat tst;
+	bool fresh;
 	int rc, ifd = -1;
 
 	(void)ttl_ms; /* a local lock lasts while its process lives */
 	*out = NULL;
 	*fence = 0;
-	if (flags & KL_ERRORCHECK)
-		return fail(err, KL_EINVAL,
-			    "error-check mode is not supported", 0);
 	if (kl_cancel_fired(cancel))
 		return KL_ECANCELED;
 	if ((l = kl__calloc(1, sizeof *l)) == NULL)
 		return KL_ENOMEM;
-	key_name(lp, l->name, sizeof l->name, key, key_len);
+	l->shared = (flags & KL_SHARED) != 0;
+	kl__local_key_name(lp, l->name, sizeof l->name, key, key_len);
 	/* The queue lock is only ever held for a few system calls: a try
 	 * once may wait that long for it, not longer. */
 	rc = open_queue(lp, l,
-			timeout_ms == 0 ? kl__deadline(TRY_GRACE_MS) : deadline,
+			timeout_ms == 0 ? kl__deadline(KL_LOCAL_TRY_GRACE_MS)
+					: deadline,
 			cancel, err);
 	if (rc != KL_OK) {
 		kl__free(l);
 		return rc;
 	}
-	if ((rc = read_state(lp, l->name, l->qfd, &st, err)) != KL_OK)
+	if ((rc = kl__local_read_state(lp, l->name, l->qfd, &st, err)) !=
+	    KL_OK)
 		goto fail_unlock;
 	KL_CRASH_POINT("queue-locked");
+	if (flags & KL_ERRORCHECK) {
+		struct kl__local_trec me;
+
+		kl__local_self(&me);
+		if (kl__local_walk(lp, l->name, &st, held_by_me, &me) != 0) {
+			rc = kl__local_fail(err, KL_EDEADLK,
+					    "this thread holds the key already",
+					    0);
+			goto fail_unlock;
+		}
+	}
+	fresh = st.next == 0;
 	l->ticket = st.next++;
-	ticket_name(tname, sizeof tname, l->name, l->ticket);
+	kl__local_ticket_name(tname, sizeof tname, l->name, l->ticket);
 	/* A leftover file of this number (a crash between creating it and
 	 * counting it) has no owner: replace it. */
 	unlinkat(lp->dirfd, tname, 0);
 	KL_CRASH_POINT("ticket-unlinked");
-	l->tfd = open_checked(lp, tname, O_RDWR | O_CREAT | O_EXCL, err);
+	l->tfd = kl__local_open_checked(lp, tname, O_RDWR | O_CREAT | O_EXCL,
+					err);
 	if (l->tfd < 0) {
-		rc = fail_file(lp, err, "cannot create the ticket file", tname,
-			       l->tfd == -EPERM ? 0 : -l->tfd);
+		rc = kl__local_fail_file(lp, err,
+					 "cannot create the ticket file", tname,
+					 l->tfd == -EPERM ? 0 : -l->tfd);
 		goto fail_unlock;
+	}
+	/* Before the flock: whoever finds it flocked may read it. */
+	if (kl__local_write_ticket(l->tfd, l->ticket, l->shared,
+				   (int64_t)kl__local_wall_us()) != 0) {
+		rc = kl__local_fail_file(lp, err, "cannot write the ticket file",
+					 tname, errno);
+		goto fail_ticket;
 	}
 	KL_CRASH_POINT("ticket-created");
 	/* Status looks at tickets by name without the queue lock, with a
@@ -661,32 +429,39 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	 * the idle queue file was removed and made again may be looking at
 	 * this new file under its old name.  Wait for it as for the queue
 	 * lock. */
-	rc = qlock(l->tfd, timeout_ms == 0 ? kl__deadline(TRY_GRACE_MS)
-					   : deadline, cancel);
+	rc = kl__local_qlock(l->tfd,
+			     timeout_ms == 0
+				     ? kl__deadline(KL_LOCAL_TRY_GRACE_MS)
+				     : deadline,
+			     cancel);
 	if (rc == KL_OK && fstat(l->tfd, &tst) != 0)
 		rc = KL_EPROVIDER;
 	if (rc != KL_OK) {
 		if (rc == KL_EPROVIDER)
-			fail_file(lp, err, "cannot take the ticket", tname,
-				  errno);
+			kl__local_fail_file(lp, err, "cannot take the ticket",
+					    tname, errno);
 		goto fail_ticket;
 	}
 	l->tdev = tst.st_dev;
 	l->tino = tst.st_ino;
 	KL_CRASH_POINT("ticket-flocked");
-	if (write_state(l->qfd, &st) != 0) {
-		rc = fail_file(lp, err, "cannot take a ticket in", l->name,
-			       errno);
+	if (fresh) {
+		st.key_len = key_len;
+		rc = kl__local_write_first(l->qfd, &st, key, key_len);
+	} else {
+		rc = kl__local_write_state(l->qfd, &st);
+	}
+	if (rc != 0) {
+		rc = kl__local_fail_file(lp, err, "cannot take a ticket in",
+					 l->name, errno);
 		goto fail_ticket;
 	}
 	KL_CRASH_POINT("ticket-counted");
 	for (;;) {
-		if (advance(lp, l->name, l->qfd, &st, l->ticket) != 0) {
-			rc = fail_file(lp, err, "cannot update", l->name,
-				       errno);
+		rc = kl__local_process(lp, l->name, l->qfd, &st, l, err);
+		if (rc != KL_OK)
 			break;
-		}
-		if (st.serving == l->ticket) {
+		if (l->ticket < st.granted) {
 			/* Granted in a directory that is no longer the one
 			 * the path leads to would be a grant nobody else
 			 * sees. */
@@ -694,21 +469,15 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 				rc = lost_error(lp, err);
 				break;
 			}
-			KL_CRASH_POINT("granting");
-			st.fence++;
-			if (write_state(l->qfd, &st) != 0) {
-				rc = fail_file(lp, err, "cannot update",
-					       l->name, errno);
+			rc = kl__local_own_fence(lp, l, &st, fence, err);
+			if (rc != KL_OK)
 				break;
-			}
 			KL_CRASH_POINT("granted");
-			qunlock(l->qfd);
+			kl__local_qunlock(l->qfd);
 			watch_put(lp, ifd);
-			*fence = st.fence;
 			*out = l;
 			return KL_OK;
 		}
-		rc = KL_OK;
 		if (kl_cancel_fired(cancel))
 			rc = KL_ECANCELED;
 		else if (deadline != KL_NO_DEADLINE &&
@@ -721,23 +490,24 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		if (ifd < 0)
 			ifd = watch_get(lp);
 		KL_CRASH_POINT("waiting");
-		qunlock(l->qfd);
+		kl__local_qunlock(l->qfd);
 		nap(ifd, deadline == KL_NO_DEADLINE
 				 ? POLL_MS
 				 : (deadline - kl__now_ns()) / 1000000 + 1);
-		if ((rc = qlock(l->qfd, deadline, cancel)) != KL_OK) {
+		if ((rc = kl__local_qlock(l->qfd, deadline, cancel)) != KL_OK) {
 			/* The queue lock's holder is stuck: dropping our
 			 * ticket is enough, whoever comes next skips it. */
 			if (rc == KL_EPROVIDER)
-				fail_file(lp, err, "cannot lock", l->name,
-					  errno);
+				kl__local_fail_file(lp, err, "cannot lock",
+						    l->name, errno);
 			watch_put(lp, ifd);
 			close(l->tfd);
 			close(l->qfd);
 			kl__free(l);
 			return rc;
 		}
-		if ((rc = read_state(lp, l->name, l->qfd, &st, err)) != KL_OK)
+		if ((rc = kl__local_read_state(lp, l->name, l->qfd, &st,
+					       err)) != KL_OK)
 			break;
 	}
 	/* Timed out, cancelled or failed: leave, passing the key on if it
@@ -751,7 +521,7 @@ fail_ticket:
 	unlinkat(lp->dirfd, tname, 0);
 	close(l->tfd);
 fail_unlock:
-	qunlock(l->qfd);
+	kl__local_qunlock(l->qfd);
 	close(l->qfd);
 	kl__free(l);
 	return rc;
@@ -765,7 +535,7 @@ local_release(void *impl, void *lease, kl_error *err)
 	bool lost = lease_lost(lp, l);
 	int rc;
 
-	rc = qlock(l->qfd, kl__deadline(RELEASE_GRACE_MS), NULL);
+	rc = kl__local_qlock(l->qfd, kl__deadline(RELEASE_GRACE_MS), NULL);
 	if (rc != KL_OK) {
 		/* Closing the ticket frees the key all the same: the next
 		 * one to look finds it dead and skips it. */
@@ -803,26 +573,37 @@ local_watch(void *impl, void *lease, void (*lost)(void *ctx), void *ctx)
 
 /* Never waits for the queue lock (its holder may be stopped): reads the
  * state as it is, again when a read raced with a write. */
+/* A walk's callback: counts holders in counts[0], waiters in counts[1]. */
+static int
+count_ticket(const struct kl__local_ticket *t, void *arg)
+{
+	size_t *counts = arg;
+
+	counts[t->holds ? 0 : 1]++;
+	return 0;
+}
+
 static int
 local_status(void *impl, const char *key, size_t key_len, size_t *holders,
 	     size_t *waiters, kl_error *err)
 {
 	struct local *lp = impl;
-	char name[24];
-	struct qstate st;
+	char name[KL_LOCAL_QNAME];
+	struct kl__local_qstate st;
+	size_t counts[2] = { 0, 0 };
 	int qfd, rc;
 
 	*holders = *waiters = 0;
-	key_name(lp, name, sizeof name, key, key_len);
-	qfd = open_checked(lp, name, O_RDONLY, err);
+	kl__local_key_name(lp, name, sizeof name, key, key_len);
+	qfd = kl__local_open_checked(lp, name, O_RDONLY, err);
 	if (qfd == -ENOENT || qfd == -EAGAIN)
 		return KL_OK;
 	if (qfd < 0)
 		return qfd == -EPERM ? KL_EPROVIDER
-				     : fail_file(lp, err, "cannot open", name,
+				     : kl__local_fail_file(lp, err, "cannot open", name,
 						 -qfd);
 	for (int tries = 0;; tries++) {
-		rc = read_state(lp, name, qfd, &st, err);
+		rc = kl__local_read_state(lp, name, qfd, &st, err);
 		if (rc == KL_OK || tries == 3)
 			break;
 		{
@@ -833,16 +614,11 @@ local_status(void *impl, const char *key, size_t key_len, size_t *holders,
 	close(qfd);
 	if (rc != KL_OK)
 		return rc;
-	/* The first live ticket holds the key, or will as soon as its owner
-	 * looks; dead ones are not counted. */
-	for (uint64_t n = st.serving; n < st.next; n++) {
-		if (!ticket_alive(lp, name, n, false))
-			continue;
-		if (*holders == 0)
-			*holders = 1;
-		else
-			(*waiters)++;
-	}
+	/* Dead tickets are not counted; a waiter that would be granted as
+	 * soon as someone looks counts as holding. */
+	kl__local_walk(lp, name, &st, count_ticket, counts);
+	*holders = counts[0];
+	*waiters = counts[1];
 	return KL_OK;
 }
 
@@ -869,6 +645,7 @@ static const kl_provider_ops local_ops = {
 	.destroy = local_destroy,
 	.status = local_status,
 	.watch = local_watch,
+	.snapshot = kl__local_snapshot,
 };
 
 int
@@ -898,7 +675,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 		return rc;
 	}
 	if (fstat(lp->dirfd, &st) != 0) {
-		rc = fail(err, KL_EPROVIDER, "cannot stat the state directory",
+		rc = kl__local_fail(err, KL_EPROVIDER, "cannot stat the state directory",
 			  errno);
 		goto fail;
 	}
@@ -908,7 +685,7 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 				   &lp->sfd, err)) != KL_OK)
 		goto fail;
 	if (fstat(lp->sfd, &st) != 0) {
-		rc = fail_file(lp, err, "cannot stat", KL_LOCAL_SECRET,
+		rc = kl__local_fail_file(lp, err, "cannot stat", KL_LOCAL_SECRET,
 			       errno);
 		goto fail;
 	}

@@ -219,11 +219,11 @@ struct hold {
 	kl_lease *lease;
 };
 
-/* Acquires key on p into h (timeout_ms, cancel c); returns the status.  h
- * holds nothing unless KL_OK. */
+/* Acquires key on p into h (timeout_ms, cancel c, lock flags); returns
+ * the status.  h holds nothing unless KL_OK. */
 static int
-take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
-     struct hold *h, kl_error *err)
+take_flags(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
+	   unsigned flags, struct hold *h, kl_error *err)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_call call = { .key = NULL, .cancel = c };
@@ -232,6 +232,7 @@ take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
 	o.provider = p;
 	o.key = key;
 	o.timeout_ms = timeout_ms;
+	o.flags = flags;
 	h->l = NULL;
 	h->lease = NULL;
 	ck_assert_int_eq(kl_lock_new(&h->l, &o), KL_OK);
@@ -246,6 +247,13 @@ take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
 		ck_assert_ptr_nonnull(h->lease);
 	}
 	return rc;
+}
+
+static int
+take(kl_provider *p, const char *key, int64_t timeout_ms, kl_cancel *c,
+     struct hold *h, kl_error *err)
+{
+	return take_flags(p, key, timeout_ms, c, 0, h, err);
 }
 
 /* take that must succeed. */
@@ -396,6 +404,7 @@ struct waiter {
 	kl_cancel *cancel;
 	bool release;      /* release right after the grant */
 	struct shared *sh; /* may be NULL */
+	unsigned flags;    /* the lock's: KL_SHARED, KL_ERRORCHECK */
 	/* Outputs: read after waiter_join. */
 	pthread_t th;
 	struct hold h;
@@ -404,6 +413,7 @@ struct waiter {
 	uint64_t fence;
 	int rank; /* grant rank in sh, -1 */
 	int64_t start_ns, end_ns;
+	atomic_llong tid; /* gettid() of the thread, once it runs */
 	atomic_bool done;
 };
 
@@ -417,7 +427,9 @@ waiter_main(void *arg)
 	o.provider = w->p;
 	o.key = w->key;
 	o.timeout_ms = w->timeout_ms;
+	o.flags = w->flags;
 	w->rank = -1;
+	atomic_store(&w->tid, (long long)gettid());
 	w->rc = kl_lock_new(&w->h.l, &o);
 	if (w->rc == KL_OK) {
 		w->start_ns = now_ns();
@@ -446,12 +458,15 @@ waiter_main(void *arg)
  * test that fails in CK_FORK=no mode leaves it to a thread that may still
  * run. */
 static struct waiter *
-waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
-	     kl_cancel *c, bool release, struct shared *sh)
+waiter_start_flags(kl_provider *p, const char *key, int64_t timeout_ms,
+		   kl_cancel *c, bool release, struct shared *sh,
+		   unsigned flags)
 {
 	struct waiter *w = calloc(1, sizeof *w);
 
 	ck_assert_ptr_nonnull(w);
+	w->flags = flags;
+	atomic_init(&w->tid, 0);
 	w->p = p;
 	w->key = key;
 	w->timeout_ms = timeout_ms;
@@ -461,6 +476,13 @@ waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
 	atomic_init(&w->done, false);
 	test_thread_start(&w->th, waiter_main, w);
 	return w;
+}
+
+static struct waiter *
+waiter_start(kl_provider *p, const char *key, int64_t timeout_ms,
+	     kl_cancel *c, bool release, struct shared *sh)
+{
+	return waiter_start_flags(p, key, timeout_ms, c, release, sh, 0);
 }
 
 static bool
@@ -1322,15 +1344,18 @@ START_TEST(test_alloc_failures)
 }
 END_TEST
 
-/* The queue file's magic number (src/local/provider_local.c). */
-#define QUEUE_MAGIC 0x314b4c51514b4c4bULL
+/* The queue file's magic number (src/local/local_queue.c), and the one
+ * of the earlier layout without modes. */
+#define QUEUE_MAGIC 0x324b4c51514b4c4bULL
+#define QUEUE_MAGIC_V1 0x314b4c51514b4c4bULL
 
 /* Writes a queue file for key with the given counters (the provider's
- * layout: magic, next, serving, fence). */
+ * layout: magic, next, serving, granted, fence, key length; nothing is
+ * granted beyond serving). */
 static void
 plant_state(const char *key, uint64_t next, uint64_t serving)
 {
-	uint64_t st[4] = { QUEUE_MAGIC, next, serving, 1 };
+	uint64_t st[6] = { QUEUE_MAGIC, next, serving, serving, 1, 0 };
 	char q[24], path[PATH_MAX];
 	int fd;
 
@@ -1510,32 +1535,92 @@ END_TEST
 /* ------------------------------------------------------------------ */
 /* KL_ERRORCHECK                                                       */
 
-START_TEST(test_errorcheck_refused)
+/* A thread that holds a key, in either mode, and asks for it again with
+ * KL_ERRORCHECK, in either mode, gets KL_EDEADLK at once, through this
+ * provider or another one on the same directory, and leaves no trace in
+ * the queue; another thread is not refused, and a thread that holds
+ * nothing is not either.  (Before: KL_ERRORCHECK was refused outright with
+ * KL_EINVAL.) */
+START_TEST(test_errorcheck_modes)
 {
-	kl_provider *p = open_dir(g_dir);
-	kl_lock_opts o = KL_LOCK_OPTS_INIT;
-	kl_lease *lease = (kl_lease *)&lease;
-	kl_lock *l;
+	const char *key = "lo:errorcheck";
+	kl_provider *p = open_dir(g_dir), *q = open_dir(g_dir);
+	const unsigned modes[2] = { 0, KL_SHARED };
+	struct hold h, h2;
+	struct waiter *w;
 	kl_error err;
 	int ran = 0;
 
-	o.provider = p;
-	o.key = "lo:errorcheck";
-	o.flags = KL_ERRORCHECK;
-	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
-	memset(&err, 0, sizeof err);
-	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, &err), KL_EINVAL);
-	ck_assert_ptr_null(lease);
-	ck_assert_int_eq(err.status, KL_EINVAL);
-	ck_assert(err.message[0] != '\0');
-	memset(&err, 0, sizeof err);
-	ck_assert_int_eq(kl_lock_run(l, NULL, fn_ran, &ran, NULL, &err),
-			 KL_EINVAL);
-	ck_assert_int_eq(ran, 0);
-	ck_assert(err.message[0] != '\0');
-	kl_lock_free(l);
-	ck_assert_int_eq(dir_entries(g_dir), 0);
-	test_assert_status(p, "lo:errorcheck", 0, 0);
+	/* Holding nothing: granted, in both modes. */
+	for (int i = 0; i < 2; i++) {
+		ck_assert_int_eq(take_flags(p, key, 0, NULL,
+					    KL_ERRORCHECK | modes[i], &h,
+					    &err),
+				 KL_OK);
+		drop(&h);
+	}
+	for (int held = 0; held < 2; held++) {
+		ck_assert_int_eq(take_flags(p, key, 0, NULL, modes[held], &h,
+					    &err),
+				 KL_OK);
+		for (int asked = 0; asked < 2; asked++) {
+			kl_provider *via = asked == 0 ? p : q;
+			int64_t t0 = now_ms();
+			int rc = take_flags(via, key, WAIT_BOUND_MS, NULL,
+					    KL_ERRORCHECK | modes[asked], &h2,
+					    &err);
+
+			ck_assert_msg(rc == KL_EDEADLK,
+				      "held %s, asked %s: %s", 
+				      held ? "shared" : "exclusive",
+				      asked ? "shared" : "exclusive",
+				      kl_strerror(rc));
+			ck_assert_int_eq(err.status, KL_EDEADLK);
+			ck_assert(err.message[0] != '\0');
+			ck_assert_int_lt(now_ms() - t0, WAIT_BOUND_MS / 2);
+			test_assert_status(p, key, 1, 0);
+		}
+		/* Another thread asking shared with KL_ERRORCHECK: granted
+		 * when this one holds shared, queued otherwise. */
+		w = waiter_start_flags(p, key, held ? 0 : WAIT_BOUND_MS, NULL,
+				       false, NULL, KL_ERRORCHECK | KL_SHARED);
+		if (held) {
+			waiter_join(w);
+			ck_assert_msg(w->rc == KL_OK, "other thread: %s",
+				      kl_strerror(w->rc));
+			test_assert_status(p, key, 2, 0);
+		} else {
+			wait_status(p, key, 1, 1);
+		}
+		drop(&h);
+		if (!held) {
+			waiter_join(w);
+			ck_assert_int_eq(w->rc, KL_OK);
+		}
+		waiter_free(w);
+		test_assert_status(p, key, 0, 0);
+	}
+	/* kl_lock_run with the key held: fn does not run. */
+	ck_assert_int_eq(take_flags(p, key, 0, NULL, KL_SHARED, &h, &err),
+			 KL_OK);
+	{
+		kl_lock_opts o = KL_LOCK_OPTS_INIT;
+		kl_lock *l;
+
+		o.provider = p;
+		o.key = key;
+		o.flags = KL_ERRORCHECK;
+		ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+		memset(&err, 0, sizeof err);
+		ck_assert_int_eq(kl_lock_run(l, NULL, fn_ran, &ran, NULL,
+					     &err),
+				 KL_EDEADLK);
+		ck_assert_int_eq(ran, 0);
+		kl_lock_free(l);
+	}
+	drop(&h);
+	test_assert_status(p, key, 0, 0);
+	kl_provider_free(q);
 	kl_provider_free(p);
 }
 END_TEST
@@ -1676,8 +1761,8 @@ static const char *const crash_points[] = {
 	"queue-opened",   "queue-locked",     "ticket-unlinked",
 	"ticket-created", "ticket-flocked",   "ticket-counted",
 	"waiting",        "dead-skipped",     "granting",
-	"granted",        "release-locked",   "release-unlinked",
-	"release-advanced",
+	"grant-recorded", "granted",          "release-locked",
+	"release-unlinked", "release-advanced",
 };
 #define N_CRASH_POINTS (sizeof crash_points / sizeof crash_points[0])
 
@@ -2361,7 +2446,11 @@ START_TEST(test_damaged_state)
 	const char *k3 = "lo:damaged:magic", *k4 = "lo:damaged:link";
 	kl_provider *p = open_dir(g_dir);
 	char path[PATH_MAX], q[24];
-	uint64_t st[4] = { 0x1234, 1, 0, 1 };
+	uint64_t st[6] = { 0x1234, 1, 0, 0, 1, 0 };
+	/* The layout before modes (magic, next, serving, fence), as an
+	 * older keylock would have left it. */
+	uint64_t v1[4] = { QUEUE_MAGIC_V1, 1, 0, 1 };
+	const char *k5 = "lo:damaged:v1";
 	struct victim v;
 	struct hold h;
 	int fd;
@@ -2379,6 +2468,13 @@ START_TEST(test_damaged_state)
 	close(fd);
 	queue_name(q, sizeof q, k3, strlen(k3));
 	damaged_refused(p, k3, q);
+	state_path(path, sizeof path, k5, -1);
+	fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(write(fd, v1, sizeof v1), (ssize_t)sizeof v1);
+	close(fd);
+	queue_name(q, sizeof q, k5, strlen(k5));
+	damaged_refused(p, k5, q);
 
 	victim_make(&v, "victim");
 	state_path(path, sizeof path, k4, -1);
@@ -3090,6 +3186,761 @@ START_TEST(test_handoff_latency)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* Shared mode (KL_SHARED, issue 17): the W3C Web Locks rule on one FIFO */
+/* queue per key, across threads and processes                          */
+
+#define S KL_SHARED
+
+/* Holds key shared from this thread, which must be granted at once. */
+static void
+take_shared(kl_provider *p, const char *key, struct hold *h)
+{
+	kl_error err;
+	int rc = take_flags(p, key, 0, NULL, S, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "shared try-once: %s: %s", kl_strerror(rc),
+		      err.message);
+}
+
+/* A try-once in mode flags must fail with KL_ETIMEDOUT. */
+static void
+try_refused(kl_provider *p, const char *key, unsigned flags)
+{
+	struct hold h;
+	int rc = take_flags(p, key, 0, NULL, flags, &h, NULL);
+
+	ck_assert_msg(rc == KL_ETIMEDOUT, "%s try-once on '%s' gave %s",
+		      flags & S ? "shared" : "exclusive", key,
+		      kl_strerror(rc));
+}
+
+/* Shared holders hold together: the threads of one process each get the
+ * key shared at once while it is held shared; an exclusive try-once is
+ * refused meanwhile, and status counts every holder. */
+START_TEST(test_shared_threads_together)
+{
+	enum { N = 4 };
+	const char *key = "lo:shared:threads";
+	kl_provider *p = open_dir(g_dir);
+	struct waiter *w[N];
+	struct hold h;
+
+	take_shared(p, key, &h);
+	for (int i = 0; i < N; i++)
+		w[i] = waiter_start_flags(p, key, 0, NULL, false, NULL, S);
+	for (int i = 0; i < N; i++) {
+		waiter_join(w[i]);
+		ck_assert_msg(w[i]->rc == KL_OK, "shared thread %d: %s: %s", i,
+			      kl_strerror(w[i]->rc), w[i]->err.message);
+	}
+	test_assert_status(p, key, N + 1, 0);
+	try_refused(p, key, 0);
+	for (int i = 0; i < N; i++)
+		waiter_free(w[i]);
+	test_assert_status(p, key, 1, 0);
+	drop(&h);
+	test_assert_status(p, key, 0, 0);
+	take_ok(p, key, 0, &h);
+	drop(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Shared holders in other processes hold together with this one, each
+ * with its own fence; the exclusive request waits for all of them. */
+START_TEST(test_shared_processes_together)
+{
+	enum { N = 3 };
+	const char *key = "lo:shared:procs";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp[N];
+	uint64_t f[N], fh;
+	struct waiter *e;
+	struct hold h;
+
+	take_shared(p, key, &h);
+	fh = kl_lease_fence(h.lease);
+	for (int i = 0; i < N; i++) {
+		helper_spawn(&hp[i], "shold", key, NULL, 0);
+		f[i] = test_helper_granted(&hp[i], HANG_GUARD_MS);
+		ck_assert_uint_gt(f[i], i == 0 ? fh : f[i - 1]);
+	}
+	test_assert_status(p, key, N + 1, 0);
+	try_refused(p, key, 0);
+	e = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, N + 1, 1);
+	drop(&h);
+	for (int i = 0; i < N; i++) {
+		char line[64];
+
+		wait_status(p, key, (size_t)(N - i), 1);
+		ck_assert(!atomic_load(&e->done));
+		ck_assert_int_eq(write(hp[i].to, "x\n", 2), 2);
+		ck_assert(test_helper_line(&hp[i], line, sizeof line,
+					   HANG_GUARD_MS));
+		ck_assert_str_eq(line, "R");
+		helper_exit_ok(&hp[i]);
+	}
+	waiter_join(e);
+	ck_assert_msg(e->rc == KL_OK, "exclusive: %s: %s", kl_strerror(e->rc),
+		      e->err.message);
+	ck_assert_uint_gt(e->fence, f[N - 1]);
+	test_assert_status(p, key, 1, 0);
+	waiter_free(e);
+	test_assert_status(p, key, 0, 0);
+	for (int i = 0; i < N; i++)
+		test_helper_close(&hp[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A shared request behind a queued exclusive one waits although only
+ * shared holders hold (no passing, no writer starvation), and a shared
+ * try-once is refused; once the exclusive one has held and released,
+ * the run of shared requests behind it is granted together: by the
+ * release itself, so that a shared try-once right after it succeeds
+ * whether or not those threads have woken yet. */
+START_TEST(test_shared_behind_exclusive)
+{
+	const char *key = "lo:shared:behind";
+	kl_provider *p = open_dir(g_dir);
+	struct waiter *e, *s1, *s2, *x;
+	struct hold h, h2;
+	uint64_t f0;
+
+	take_shared(p, key, &h);
+	f0 = kl_lease_fence(h.lease);
+	e = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 1, 1);
+	s1 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL, S);
+	wait_status(p, key, 1, 2);
+	s2 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL, S);
+	wait_status(p, key, 1, 3);
+	/* An exclusive one behind the shared run. */
+	x = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 1, 4);
+	try_refused(p, key, S);
+	ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+	test_assert_status(p, key, 1, 4);
+
+	drop(&h);
+	waiter_join(e);
+	ck_assert_msg(e->rc == KL_OK, "exclusive: %s", kl_strerror(e->rc));
+	ck_assert_uint_eq(e->fence, f0 + 1);
+	test_assert_status(p, key, 1, 3);
+	ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+
+	/* Its release grants both shared ones; the exclusive one behind
+	 * them stops the run. */
+	kl_lease_release(e->h.lease);
+	e->h.lease = NULL;
+	test_assert_status(p, key, 2, 1);
+	waiter_join(s1);
+	waiter_join(s2);
+	ck_assert_msg(s1->rc == KL_OK && s2->rc == KL_OK, "shared: %s, %s",
+		      kl_strerror(s1->rc), kl_strerror(s2->rc));
+	ck_assert_uint_eq(s1->fence, f0 + 2);
+	ck_assert_uint_eq(s2->fence, f0 + 3);
+	/* Not while x waits: a shared newcomer queues behind it. */
+	try_refused(p, key, S);
+	test_assert_status(p, key, 2, 1);
+	waiter_free(s1);
+	test_assert_status(p, key, 1, 1);
+	ck_assert(!atomic_load(&x->done));
+	waiter_free(s2);
+	waiter_join(x);
+	ck_assert_int_eq(x->rc, KL_OK);
+	ck_assert_uint_eq(x->fence, f0 + 4);
+	waiter_free(x);
+	waiter_free(e);
+	/* Free again: a shared try-once right after a release. */
+	take_ok(p, key, 0, &h2);
+	s1 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false, NULL, S);
+	wait_status(p, key, 1, 1);
+	drop(&h2);
+	take_shared(p, key, &h);
+	test_assert_status(p, key, 2, 0);
+	drop(&h);
+	waiter_join(s1);
+	ck_assert_int_eq(s1->rc, KL_OK);
+	waiter_free(s1);
+	test_assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A queued exclusive request that is cancelled, or times out, lets the
+ * shared requests behind it join the shared holders at once. */
+START_TEST(test_exclusive_gives_up_shared_through)
+{
+	const char *key = "lo:shared:giveup";
+	kl_provider *p = open_dir(g_dir);
+	kl_cancel *c;
+	struct waiter *e, *s1, *s2;
+	struct hold h;
+
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	take_shared(p, key, &h);
+	for (int round = 0; round < 2; round++) {
+		bool cancel = round == 0;
+
+		/* The timeout only has to outlast queueing two threads. */
+		e = waiter_start(p, key, cancel ? WAIT_BOUND_MS : 5000,
+				 cancel ? c : NULL, false, NULL);
+		wait_status(p, key, 1, 1);
+		s1 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false,
+					NULL, S);
+		wait_status(p, key, 1, 2);
+		s2 = waiter_start_flags(p, key, WAIT_BOUND_MS, NULL, false,
+					NULL, S);
+		wait_status(p, key, 1, 3);
+		ck_assert(!atomic_load(&s1->done) && !atomic_load(&s2->done));
+		if (cancel)
+			kl_cancel_fire(c);
+		waiter_join(e);
+		ck_assert_msg(e->rc == (cancel ? KL_ECANCELED : KL_ETIMEDOUT),
+			      "exclusive: %s", kl_strerror(e->rc));
+		waiter_join(s1);
+		waiter_join(s2);
+		ck_assert_msg(s1->rc == KL_OK && s2->rc == KL_OK,
+			      "shared: %s, %s", kl_strerror(s1->rc),
+			      kl_strerror(s2->rc));
+		/* Together with the holder, which never let go. */
+		test_assert_status(p, key, 3, 0);
+		waiter_free(s1);
+		waiter_free(s2);
+		waiter_free(e);
+		test_assert_status(p, key, 1, 0);
+	}
+	drop(&h);
+	test_assert_status(p, key, 0, 0);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A shared holder process killed with SIGKILL is no holder any more: the
+ * exclusive waiter gets the key once the other shared holder (this
+ * thread) releases, not before. */
+START_TEST(test_shared_holder_killed)
+{
+	const char *key = "lo:shared:killed";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp;
+	struct waiter *e;
+	struct hold h;
+	uint64_t fk;
+
+	take_shared(p, key, &h);
+	helper_spawn(&hp, "shold", key, NULL, 0);
+	fk = test_helper_granted(&hp, HANG_GUARD_MS);
+	e = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 2, 1);
+	test_helper_kill(&hp);
+	wait_status(p, key, 1, 1);
+	ck_assert(!atomic_load(&e->done));
+	drop(&h);
+	waiter_join(e);
+	ck_assert_msg(e->rc == KL_OK, "exclusive: %s: %s", kl_strerror(e->rc),
+		      e->err.message);
+	ck_assert_uint_gt(e->fence, fk);
+	waiter_free(e);
+	test_helper_close(&hp);
+
+	/* The killed one the only holder: the waiter gets it by itself. */
+	helper_spawn(&hp, "shold", key, NULL, 0);
+	fk = test_helper_granted(&hp, HANG_GUARD_MS);
+	e = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 1, 1);
+	test_helper_kill(&hp);
+	waiter_join(e);
+	ck_assert_int_eq(e->rc, KL_OK);
+	ck_assert_uint_gt(e->fence, fk);
+	waiter_free(e);
+	test_assert_status(p, key, 0, 0);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Try-once in both modes: shared on a free or shared-held key, exclusive
+ * on a free key only. */
+START_TEST(test_shared_try_once)
+{
+	const char *key = "lo:shared:once";
+	kl_provider *p = open_dir(g_dir);
+	struct hold a, b;
+
+	take_shared(p, key, &a);
+	take_shared(p, key, &b);
+	try_refused(p, key, 0);
+	drop(&a);
+	try_refused(p, key, 0);
+	drop(&b);
+	take_ok(p, key, 0, &a);
+	try_refused(p, key, S);
+	try_refused(p, key, 0);
+	test_assert_status(p, key, 1, 0);
+	drop(&a);
+	take_shared(p, key, &a);
+	drop(&a);
+	test_assert_status(p, key, 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Fences grow strictly over grants of both modes made by several
+ * processes, in grant order; shared requests of other processes queued
+ * behind an exclusive one are granted in arrival order and together. */
+START_TEST(test_shared_fences_mixed)
+{
+	const char *key = "lo:shared:fences";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper a, b, c;
+	uint64_t f0, fa, fb, fc;
+	struct waiter *x;
+	struct hold h;
+	char line[64];
+
+	take_ok(p, key, 0, &h);
+	f0 = kl_lease_fence(h.lease);
+	helper_spawn(&a, "shold", key, NULL, 0);
+	wait_status(p, key, 1, 1);
+	helper_spawn(&b, "shold", key, NULL, 0);
+	wait_status(p, key, 1, 2);
+	x = waiter_start(p, key, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, key, 1, 3);
+	helper_spawn(&c, "shold", key, NULL, 0);
+	wait_status(p, key, 1, 4);
+	drop(&h);
+	fa = test_helper_granted(&a, HANG_GUARD_MS);
+	fb = test_helper_granted(&b, HANG_GUARD_MS);
+	ck_assert_uint_eq(fa, f0 + 1);
+	ck_assert_uint_eq(fb, f0 + 2);
+	test_assert_status(p, key, 2, 2);
+	ck_assert_int_eq(write(a.to, "x\n", 2), 2);
+	ck_assert(test_helper_line(&a, line, sizeof line, HANG_GUARD_MS));
+	test_assert_status(p, key, 1, 2);
+	ck_assert(!atomic_load(&x->done));
+	ck_assert_int_eq(write(b.to, "x\n", 2), 2);
+	waiter_join(x);
+	ck_assert_int_eq(x->rc, KL_OK);
+	ck_assert_uint_eq(x->fence, f0 + 3);
+	test_assert_status(p, key, 1, 1);
+	kl_lease_release(x->h.lease);
+	x->h.lease = NULL;
+	fc = test_helper_granted(&c, HANG_GUARD_MS);
+	ck_assert_uint_eq(fc, f0 + 4);
+	ck_assert_int_eq(write(c.to, "x\n", 2), 2);
+	helper_exit_ok(&a);
+	helper_exit_ok(&b);
+	helper_exit_ok(&c);
+	/* And on (the idle queue file may have been removed meanwhile):
+	 * the next grants, of either mode, are above them all. */
+	take_shared(p, key, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), fc);
+	fc = kl_lease_fence(h.lease);
+	drop(&h);
+	take_ok(p, key, 0, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), fc);
+	drop(&h);
+	waiter_free(x);
+	test_helper_close(&a);
+	test_helper_close(&b);
+	test_helper_close(&c);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Many processes, some shared and some exclusive, queued behind an
+ * exclusive holder: they are granted in arrival order, a shared run
+ * together (their appends may interleave only within a run) and no
+ * exclusive one with anybody (the helpers' O_EXCL marker). */
+START_TEST(test_shared_process_order)
+{
+	/* s: shared, x: exclusive; in arrival order. */
+	static const char modes[] = "ssxsssxxs";
+	enum { N = sizeof modes - 1 };
+	const char *key = "lo:shared:order";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp[N];
+	char file[PATH_MAX], got[256], want[256];
+	struct hold h;
+	int fd, run;
+
+	in_parent(file, sizeof file, "order");
+	fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	take_ok(p, key, 0, &h);
+	for (int i = 0; i < N; i++) {
+		helper_spawn(&hp[i], modes[i] == 's' ? "sappend" : "append",
+			     key, file, i);
+		wait_status(p, key, 1, (size_t)i + 1);
+	}
+	drop(&h);
+	for (int i = 0; i < N; i++)
+		helper_exit_ok(&hp[i]);
+	read_file(file, got, sizeof got);
+	/* Each run (a maximal block of one mode, a shared block's members
+	 * in any order) must come whole and in order. */
+	{
+		const char *g = got;
+
+		for (int i = 0; i < N; i = run) {
+			bool seen[N] = { false };
+
+			run = i + 1;
+			if (modes[i] == 's')
+				while (run < N && modes[run] == 's')
+					run++;
+			for (int j = i; j < run; j++) {
+				int idx = -1, n = 0;
+
+				ck_assert_msg(sscanf(g, "%d\n%n", &idx, &n) == 1,
+					      "order '%s'", got);
+				ck_assert_msg(idx >= i && idx < run &&
+						      !seen[idx],
+					      "index %d out of its run in "
+					      "'%s'",
+					      idx, got);
+				seen[idx] = true;
+				g += n;
+			}
+		}
+		ck_assert_msg(*g == '\0', "order '%s'", got);
+	}
+	(void)want;
+	test_assert_status(p, key, 0, 0);
+	for (int i = 0; i < N; i++)
+		test_helper_close(&hp[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* kl_provider_snapshot                                                */
+
+struct snap_entry {
+	char *key; /* a copy; NULL as reported */
+	size_t key_len;
+	char detail[160];
+	kl_lock_info info;
+};
+
+struct snap {
+	struct snap_entry e[64];
+	int n;
+	int stop_after; /* return non-zero after this many; 0: never */
+};
+
+static int
+snap_fn(const kl_lock_info *info, void *arg)
+{
+	struct snap *sn = arg;
+	struct snap_entry *e;
+
+	if (sn->n == (int)(sizeof sn->e / sizeof sn->e[0]))
+		return 1;
+	e = &sn->e[sn->n++];
+	e->info = *info;
+	e->key_len = info->key_len;
+	e->key = NULL;
+	if (info->key != NULL) {
+		e->key = malloc(info->key_len + 1);
+		if (e->key != NULL) {
+			memcpy(e->key, info->key, info->key_len + 1);
+		}
+	}
+	snprintf(e->detail, sizeof e->detail, "%s",
+		 info->detail != NULL ? info->detail : "");
+	e->info.key = e->key;
+	e->info.detail = e->detail;
+	return sn->stop_after != 0 && sn->n >= sn->stop_after;
+}
+
+static void
+snap_take(kl_provider *p, struct snap *sn)
+{
+	kl_error err;
+	int rc, stop = sn->stop_after;
+
+	for (int i = 0; i < sn->n; i++)
+		free(sn->e[i].key);
+	memset(sn, 0, sizeof *sn);
+	sn->stop_after = stop;
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_snapshot(p, snap_fn, sn, &err);
+	ck_assert_msg(rc == KL_OK, "snapshot: %s: %s", kl_strerror(rc),
+		      err.message);
+}
+
+static void
+snap_free(struct snap *sn)
+{
+	for (int i = 0; i < sn->n; i++)
+		free(sn->e[i].key);
+	sn->n = 0;
+}
+
+/* The entries of key (key_len bytes), in the order reported, into out;
+ * returns how many.  They must be consecutive. */
+static int
+snap_of(const struct snap *sn, const char *key, size_t len,
+	const kl_lock_info **out, int max)
+{
+	int n = 0, first = -1;
+
+	for (int i = 0; i < sn->n; i++) {
+		const struct snap_entry *e = &sn->e[i];
+
+		if (e->key == NULL || e->key_len != len ||
+		    memcmp(e->key, key, len) != 0)
+			continue;
+		if (first < 0)
+			first = i;
+		ck_assert_msg(i == first + n, "entries of a key not together");
+		ck_assert_int_lt(n, max);
+		out[n++] = &e->info;
+	}
+	return n;
+}
+
+/* A known state, reported as it is: per key, its holders first (mode,
+ * pid, tid, fence), then its waiters in queue order with their places;
+ * a holder process's pid; nothing for a free key. */
+START_TEST(test_snapshot_states)
+{
+	const char *k1 = "lo:snap:one", *k2 = "lo:snap:two";
+	kl_provider *p = open_dir(g_dir);
+	const kl_lock_info *v[8];
+	struct snap *sn = calloc(1, sizeof *sn);
+	struct waiter *x, *s;
+	struct test_helper hp;
+	struct hold a, b;
+	uint64_t f2;
+	int n;
+
+	ck_assert_ptr_nonnull(sn);
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 0);
+
+	take_shared(p, k1, &a);
+	take_shared(p, k1, &b);
+	x = waiter_start(p, k1, WAIT_BOUND_MS, NULL, false, NULL);
+	wait_status(p, k1, 2, 1);
+	s = waiter_start_flags(p, k1, WAIT_BOUND_MS, NULL, false, NULL, S);
+	wait_status(p, k1, 2, 2);
+	helper_spawn(&hp, "hold", k2, NULL, 0);
+	f2 = test_helper_granted(&hp, HANG_GUARD_MS);
+	/* A key used and released is not listed. */
+	{
+		struct hold t;
+
+		take_ok(p, "lo:snap:gone", 0, &t);
+		drop(&t);
+	}
+
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 5);
+	n = snap_of(sn, k1, strlen(k1), v, 8);
+	ck_assert_int_eq(n, 4);
+	for (int i = 0; i < 2; i++) {
+		struct hold *h = i == 0 ? &a : &b;
+
+		ck_assert(!v[i]->waiting);
+		ck_assert(v[i]->shared);
+		ck_assert_int_eq(v[i]->pid, getpid());
+		ck_assert_int_eq(v[i]->tid, gettid());
+		ck_assert_uint_eq(v[i]->fence, kl_lease_fence(h->lease));
+		ck_assert_int_ge(v[i]->elapsed_ms, 0);
+		ck_assert_uint_eq(v[i]->position, 0);
+		ck_assert_ptr_nonnull(v[i]->detail);
+	}
+	ck_assert(v[2]->waiting && !v[2]->shared);
+	ck_assert_uint_eq(v[2]->position, 0);
+	ck_assert_int_eq(v[2]->tid, atomic_load(&x->tid));
+	ck_assert(v[3]->waiting && v[3]->shared);
+	ck_assert_uint_eq(v[3]->position, 1);
+	ck_assert_int_eq(v[3]->tid, atomic_load(&s->tid));
+	for (int i = 2; i < 4; i++) {
+		ck_assert_int_eq(v[i]->pid, getpid());
+		ck_assert_uint_eq(v[i]->fence, 0);
+		ck_assert_int_ge(v[i]->elapsed_ms, 0);
+	}
+	n = snap_of(sn, k2, strlen(k2), v, 8);
+	ck_assert_int_eq(n, 1);
+	ck_assert(!v[0]->waiting && !v[0]->shared);
+	ck_assert_int_eq(v[0]->pid, hp.pid);
+	ck_assert_int_ne(v[0]->tid, 0);
+	ck_assert_uint_eq(v[0]->fence, f2);
+
+	/* A non-zero return stops the walk. */
+	sn->stop_after = 1;
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 1);
+	sn->stop_after = 3;
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 3);
+	sn->stop_after = 0;
+
+	/* The holder process killed: not listed (nor counted). */
+	test_helper_kill(&hp);
+	snap_take(p, sn);
+	ck_assert_int_eq(snap_of(sn, k2, strlen(k2), v, 8), 0);
+	ck_assert_int_eq(sn->n, 4);
+	/* One shared holder gone: the other still holds, the waiters
+	 * still wait. */
+	drop(&a);
+	snap_take(p, sn);
+	n = snap_of(sn, k1, strlen(k1), v, 8);
+	ck_assert_int_eq(n, 3);
+	ck_assert(!v[0]->waiting && v[1]->waiting && v[2]->waiting);
+	drop(&b);
+	waiter_join(x);
+	ck_assert_int_eq(x->rc, KL_OK);
+	snap_take(p, sn);
+	n = snap_of(sn, k1, strlen(k1), v, 8);
+	ck_assert_int_eq(n, 2);
+	ck_assert(!v[0]->waiting && !v[0]->shared);
+	ck_assert_uint_eq(v[0]->fence, x->fence);
+	ck_assert(v[1]->waiting && v[1]->shared);
+	ck_assert_uint_eq(v[1]->position, 0);
+	waiter_free(x);
+	waiter_join(s);
+	waiter_free(s);
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 0);
+	snap_free(sn);
+	free(sn);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Keys of odd bytes (newlines, tabs, 0x01-0xff, invalid UTF-8, long)
+ * come back whole with their length; a key longer than the provider
+ * records comes back NULL with a detail saying so; a recorded key that
+ * was damaged comes back NULL, never wrong.  Bad arguments: KL_EINVAL. */
+START_TEST(test_snapshot_keys)
+{
+	enum { NK = 6 };
+	kl_provider *p = open_dir(g_dir);
+	struct snap *sn = calloc(1, sizeof *sn);
+	char *keys[NK], binary[256], q[24], path[PATH_MAX];
+	struct hold h[NK], big;
+	const kl_lock_info *v[4];
+	char *huge = key_filled(70000, 'h');
+	int fd;
+
+	ck_assert_ptr_nonnull(sn);
+	for (int i = 0; i < 255; i++)
+		binary[i] = (char)(i + 1);
+	binary[255] = '\0';
+	keys[0] = strdup("line one\nline two\n");
+	keys[1] = strdup("\t\r\x1b[31m\x7f");
+	keys[2] = strdup(binary);
+	keys[3] = strdup("\xff\xfe\xc3\x28");
+	keys[4] = key_filled(5000, 'k');
+	keys[5] = strdup("");
+	for (int i = 0; i < NK; i++) {
+		ck_assert_ptr_nonnull(keys[i]);
+		take_ok(p, keys[i], 0, &h[i]);
+	}
+	take_ok(p, huge, 0, &big);
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, NK + 1);
+	for (int i = 0; i < NK; i++) {
+		ck_assert_msg(snap_of(sn, keys[i], strlen(keys[i]), v, 4) == 1,
+			      "key %d not listed whole", i);
+		ck_assert_uint_eq(v[0]->fence, kl_lease_fence(h[i].lease));
+	}
+	{
+		int nulls = 0;
+
+		for (int i = 0; i < sn->n; i++) {
+			if (sn->e[i].key != NULL)
+				continue;
+			nulls++;
+			ck_assert_uint_eq(sn->e[i].key_len, 0);
+			ck_assert_ptr_nonnull(strstr(sn->e[i].detail,
+						     "70000"));
+			ck_assert_uint_eq(sn->e[i].info.fence,
+					  kl_lease_fence(big.lease));
+		}
+		ck_assert_int_eq(nulls, 1);
+	}
+	/* A damaged record of keys[0]: flip a byte of the key. */
+	queue_name(q, sizeof q, keys[0], strlen(keys[0]));
+	in_state(path, sizeof path, q);
+	fd = open(path, O_WRONLY | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(pwrite(fd, "L", 1, 48), 1);
+	close(fd);
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, NK + 1);
+	ck_assert_int_eq(snap_of(sn, keys[0], strlen(keys[0]), v, 4), 0);
+	ck_assert_int_eq(snap_of(sn, "Line one\nline two\n",
+				 strlen(keys[0]), v, 4), 0);
+	for (int i = 0; i < NK; i++)
+		drop(&h[i]);
+	drop(&big);
+	snap_take(p, sn);
+	ck_assert_int_eq(sn->n, 0);
+	ck_assert_int_eq(kl_provider_snapshot(p, NULL, NULL, NULL),
+			 KL_EINVAL);
+	ck_assert_int_eq(kl_provider_snapshot(NULL, snap_fn, sn, NULL),
+			 KL_EINVAL);
+	snap_free(sn);
+	for (int i = 0; i < NK; i++)
+		free(keys[i]);
+	free(huge);
+	free(sn);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Every allocation of a snapshot failing in turn: KL_ENOMEM with err
+ * filled, nothing leaked (ASan), then it succeeds. */
+START_TEST(test_snapshot_alloc_failures)
+{
+	kl_provider *p = open_dir(g_dir);
+	struct snap *sn = calloc(1, sizeof *sn);
+	struct hold h[3];
+	kl_error err;
+	int rc, k;
+
+	ck_assert_ptr_nonnull(sn);
+	take_shared(p, "lo:snap:oom", &h[0]);
+	take_shared(p, "lo:snap:oom", &h[1]);
+	take_ok(p, "lo:snap:oom2", 0, &h[2]);
+	for (k = 1;; k++) {
+		ck_assert_int_lt(k, 100);
+		snap_free(sn);
+		memset(sn, 0, sizeof *sn);
+		memset(&err, 0, sizeof err);
+		kl__test_fail_alloc_at(k);
+		rc = kl_provider_snapshot(p, snap_fn, sn, &err);
+		kl__test_fail_alloc_at(0);
+		if (rc == KL_OK)
+			break;
+		ck_assert_msg(rc == KL_ENOMEM, "allocation %d failing: %s", k,
+			      kl_strerror(rc));
+		ck_assert_int_eq(err.status, KL_ENOMEM);
+	}
+	ck_assert_int_ge(k, 2);
+	ck_assert_int_eq(sn->n, 3);
+	snap_free(sn);
+	free(sn);
+	for (int i = 0; i < 3; i++)
+		drop(&h[i]);
+	kl_provider_free(p);
+}
+END_TEST
+
+#undef S
+
+/* ------------------------------------------------------------------ */
 
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
@@ -3146,7 +3997,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_write_failures);
 
 	tc = tcase_new(s, "errorcheck", 60);
-	tcase_add_test(tc, test_errorcheck_refused);
+	tcase_add_test(tc, test_errorcheck_modes);
 
 	tc = tcase_new(s, "process", 60);
 	tcase_add_test(tc, test_process_holder_killed);
@@ -3180,6 +4031,21 @@ provider_local_suite(void)
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
+
+	tc = tcase_new(s, "shared", 120);
+	tcase_add_test(tc, test_shared_threads_together);
+	tcase_add_test(tc, test_shared_processes_together);
+	tcase_add_test(tc, test_shared_behind_exclusive);
+	tcase_add_test(tc, test_exclusive_gives_up_shared_through);
+	tcase_add_test(tc, test_shared_holder_killed);
+	tcase_add_test(tc, test_shared_try_once);
+	tcase_add_test(tc, test_shared_fences_mixed);
+	tcase_add_test(tc, test_shared_process_order);
+
+	tc = tcase_new(s, "snapshot", 60);
+	tcase_add_test(tc, test_snapshot_states);
+	tcase_add_test(tc, test_snapshot_keys);
+	tcase_add_test(tc, test_snapshot_alloc_failures);
 
 	tc = tcase_new(s, "crash", 600);
 	tcase_add_loop_test(tc, test_crash_point, 0, (int)N_CRASH_POINTS);

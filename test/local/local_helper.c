@@ -11,6 +11,10 @@
  *	acquires KEY, appends "INDEX\n" to FILE, releases, exits 0.  While it
  *	holds the key it keeps the marker file FILE.in, made with O_EXCL: a
  *	marker already there means two holders at once, and it exits 5.
+ *   local_helper shold DIR KEY
+ *   local_helper sappend DIR KEY FILE INDEX
+ *	the same with KL_SHARED (sappend keeps no marker: shared holders
+ *	are together by design).
  *
  * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
  * that crash point of the local provider (src/local/provider_local.c), and
@@ -45,8 +49,9 @@
 static int
 usage(void)
 {
-	fprintf(stderr, "usage: local_helper hold DIR KEY\n"
-			"       local_helper append DIR KEY FILE INDEX\n");
+	fprintf(stderr, "usage: local_helper hold|shold DIR KEY\n"
+			"       local_helper append|sappend DIR KEY FILE "
+			"INDEX\n");
 	return 2;
 }
 
@@ -96,7 +101,7 @@ main(int argc, char **argv)
 	kl_lease *lease = NULL;
 	kl_error err;
 	char uri[4096], buf[64];
-	bool hold;
+	bool hold, shared = false;
 	int rc;
 
 #if defined(__linux__)
@@ -104,6 +109,10 @@ main(int argc, char **argv)
 #endif
 	if (argc < 4)
 		return usage();
+	if (argv[1][0] == 's') {
+		shared = true;
+		argv[1]++;
+	}
 	if (strcmp(argv[1], "hold") == 0 && argc == 4)
 		hold = true;
 	else if (strcmp(argv[1], "append") == 0 && argc == 6)
@@ -121,6 +130,7 @@ main(int argc, char **argv)
 	o.provider = p;
 	o.key = argv[3];
 	o.timeout_ms = HELPER_TIMEOUT_MS;
+	o.flags = shared ? KL_SHARED : 0;
 	if ((rc = kl_lock_new(&l, &o)) != KL_OK) {
 		printf("E %d kl_lock_new\n", rc);
 		kl_provider_free(p);
@@ -141,12 +151,16 @@ main(int argc, char **argv)
 	} else {
 		char marker[4096];
 
-		if (marker_make(argv[4], marker, sizeof marker) != 0)
+		if (shared) {
+			if (append_line(argv[4], argv[5]) != 0)
+				rc = 4;
+		} else if (marker_make(argv[4], marker, sizeof marker) != 0) {
 			rc = 5;
-		else if (append_line(argv[4], argv[5]) != 0)
-			rc = 4;
-		if (rc != 5)
+		} else {
+			if (append_line(argv[4], argv[5]) != 0)
+				rc = 4;
 			unlink(marker);
+		}
 	}
 	kl_lease_release(lease);
 	if (hold)

@@ -47,6 +47,7 @@ registry.c 5
 provider.c 6
 provider_memory.c 7
 local/*.c 7
+local_internal.h 7
 redis/*.c 7
 redis_internal.h 7
 pg/*.c 7

@@ -1,0 +1,166 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Private declarations of the local provider, shared by its files:
+ * provider_local.c (acquire, release, status, open), local_queue.c (the
+ * state files and the queue's grant rule) and local_snapshot.c (listing
+ * the locks).  The protocol is described at the top of provider_local.c.
+ */
+#ifndef KL_LOCAL_INTERNAL_H
+#define KL_LOCAL_INTERNAL_H
+
+#include <sys/types.h>
+
+#include "internal.h"
+
+#define KL_LOCAL_TRY_GRACE_MS 50 /* a try-once may wait this long for the
+				  * queue lock */
+#define KL_LOCAL_MAX_TICKETS (1u << 20) /* more tickets in use: damaged */
+/* Keys up to this many bytes are recorded in their queue file (for
+ * kl_provider_snapshot); a longer one only by its length. */
+#define KL_LOCAL_KEY_KEEP 65536
+#define KL_LOCAL_QNAME 24  /* "q" + 16 hex digits + NUL, rounded up */
+#define KL_LOCAL_TNAME 48  /* a ticket file's name */
+#define KL_LOCAL_POOL_MAX 4 /* inotify descriptors kept per provider */
+
+/*
+ * Crash points (test build only): KL_CRASH_POINT("name") kills the process
+ * with SIGKILL when the environment variable KL_CRASH_AT, read once, names
+ * that point, and stops it with SIGSTOP when KL_STOP_AT names it (see
+ * provider_local.c for the list).
+ */
+#ifdef KL_TEST_HOOKS
+KL_HIDDEN void kl__local_crash_point(const char *name);
+#define KL_CRASH_POINT(name) kl__local_crash_point(name)
+#else
+#define KL_CRASH_POINT(name) ((void)0)
+#endif
+
+struct local {
+	int dirfd;
+	char *path; /* absolute, normalized */
+	dev_t dev;  /* the directory as opened */
+	ino_t ino;
+	uint64_t k0, k1; /* the directory's secret */
+	int sfd;         /* the secret's file, kept open (see lease_lost) */
+	dev_t sdev;
+	ino_t sino;
+	pthread_mutex_t pool_lock;
+	int pool[KL_LOCAL_POOL_MAX]; /* idle inotify descriptors */
+	int npool;
+};
+
+/* The queue file: this header, then the key's bytes when key_len is at
+ * most KL_LOCAL_KEY_KEEP (written once, with the first header). */
+struct kl__local_qstate {
+	uint64_t magic;
+	uint64_t next;    /* the next ticket to hand out */
+	uint64_t serving; /* no live ticket below it */
+	uint64_t granted; /* live tickets below it hold, from it on wait */
+	uint64_t fence;   /* the last grant's */
+	uint64_t key_len;
+};
+
+/* A ticket file: this record, written by its owner before it takes the
+ * file's flock, then the grant, written by whoever grants the ticket
+ * (under the queue lock, before the queue file says so). */
+#define KL_LOCAL_TICKET_SHARED 0x1u
+struct kl__local_trec {
+	uint64_t magic;
+	uint64_t ticket; /* its number, as in its name */
+	uint32_t mode;   /* KL_LOCAL_TICKET_SHARED */
+	uint32_t pad;
+	int64_t pid, tid; /* the owner as it sees itself (its namespace) */
+	uint64_t nonce;   /* its process's random id (kl__local_self) */
+	uint64_t thread;  /* kl__thread_id(): never reused in the process,
+			     unlike tid */
+	int64_t since_us; /* wall clock when queued */
+};
+
+struct kl__local_tgrant {
+	uint64_t fence;
+	int64_t at_us;  /* wall clock at the grant */
+	uint64_t check; /* ties it to the ticket (see grant_check) */
+};
+
+/* One live ticket of a key, as kl__local_walk reports it. */
+struct kl__local_ticket {
+	uint64_t n;
+	bool holds;  /* holds, or is granted by whoever looks next */
+	bool known;  /* rec was read and is valid */
+	bool shared; /* rec says shared (false when not known) */
+	bool has_grant; /* grant read and valid (real holders) */
+	struct kl__local_trec rec;
+	struct kl__local_tgrant grant;
+};
+
+struct local_lease {
+	int qfd, tfd;
+	uint64_t ticket;
+	bool shared;
+	dev_t qdev, tdev;
+	ino_t qino, tino;
+	void (*lost)(void *ctx);
+	void *lost_ctx;
+	char name[KL_LOCAL_QNAME]; /* "q" + 16 hex digits */
+};
+
+/* local_queue.c */
+KL_HIDDEN int kl__local_fail(kl_error *err, int rc, const char *what,
+			     int errnum);
+KL_HIDDEN int kl__local_fail_file(struct local *lp, kl_error *err,
+				  const char *what, const char *name,
+				  int errnum);
+KL_HIDDEN uint64_t kl__local_wall_us(void);
+KL_HIDDEN int kl__local_open_checked(struct local *lp, const char *name,
+				     int flags, kl_error *err);
+KL_HIDDEN void kl__local_ticket_name(char *buf, size_t size,
+				     const char *qname, uint64_t n);
+KL_HIDDEN void kl__local_key_name(struct local *lp, char *buf, size_t size,
+				  const char *key, size_t len);
+KL_HIDDEN int kl__local_read_state(struct local *lp, const char *name,
+				   int qfd, struct kl__local_qstate *st,
+				   kl_error *err);
+KL_HIDDEN int kl__local_write_state(int qfd,
+				    const struct kl__local_qstate *st);
+KL_HIDDEN int kl__local_write_first(int qfd,
+				    const struct kl__local_qstate *st,
+				    const char *key, size_t len);
+KL_HIDDEN int kl__local_qlock(int fd, int64_t deadline, kl_cancel *cancel);
+KL_HIDDEN void kl__local_qunlock(int fd);
+/* This process and thread as ticket records name them (pid, tid, nonce
+ * and thread of rec; the rest is left alone). */
+KL_HIDDEN void kl__local_self(struct kl__local_trec *rec);
+KL_HIDDEN int kl__local_write_ticket(int tfd, uint64_t n, bool shared,
+				     int64_t since_us);
+KL_HIDDEN bool kl__local_ticket_alive(struct local *lp, const char *qname,
+				      uint64_t n, bool locked);
+/* Grants every request at the head of the queue that the rule allows
+ * (see provider_local.c), skipping dead tickets; mine (may be NULL) is
+ * the caller's own ticket.  Queue lock held; st is written back when it
+ * changed.  KL_OK or KL_EPROVIDER with err filled. */
+KL_HIDDEN int kl__local_process(struct local *lp, const char *qname, int qfd,
+				struct kl__local_qstate *st,
+				const struct local_lease *mine,
+				kl_error *err);
+/* The fence of l's grant, from its ticket file.  Queue lock held. */
+KL_HIDDEN int kl__local_own_fence(struct local *lp, struct local_lease *l,
+				  const struct kl__local_qstate *st,
+				  uint64_t *fence, kl_error *err);
+/* Calls fn on every live ticket of the queue st describes, in ticket
+ * order: the holders, then the waiters; a waiter that the rule would
+ * grant at once (its grant is only waiting for someone to look) is
+ * reported holding.  Changes nothing; takes shared flocks on ticket files
+ * for a moment.  fn's non-zero return stops the walk and is returned.
+ * Also what deadlock detection can read: each ticket's pid, tid and
+ * process nonce, and mode. */
+typedef int (*kl__local_walk_fn)(const struct kl__local_ticket *t,
+				 void *arg);
+KL_HIDDEN int kl__local_walk(struct local *lp, const char *qname,
+			     const struct kl__local_qstate *st,
+			     kl__local_walk_fn fn, void *arg);
+
+/* local_snapshot.c */
+KL_HIDDEN int kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg,
+				 kl_error *err);
+
+#endif
