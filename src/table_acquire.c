@@ -534,16 +534,19 @@ wakes_run(struct wakes *k)
  * (see Modes above), the key being free (shared false and no holder) or
  * held shared (shared true).  *f is the fence of the latest grant, and
  * gets that of the last one made here.  Returns how many were granted;
- * *held says whether the key is held after.  The caller writes the word.
- * Lock held. */
+ * *held says whether the key is held after, and *granted lists the granted
+ * waiters (through next, out of the queue now), for settle_all once the
+ * caller has written the word: a granted holder may read its fence from
+ * the word as soon as it is settled.  Lock held. */
 static unsigned
 pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
-	struct wakes *k)
+	struct kl__waiter **granted)
 {
-	struct kl__waiter *w;
+	struct kl__waiter *w, **tail = granted;
 	unsigned n = 0;
 
 	*held = shared;
+	*granted = NULL;
 	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
 		struct twaiter *tw = twaiter_of(w);
 
@@ -551,19 +554,33 @@ pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
 			break;
 		kl__waitq_grant(&e->q, w);
 		w->data = ++*f;
+		*tail = w;
+		tail = &w->next;
 		n++;
 		*held = true;
 		if (tw->h == NULL) {
 			atomic_store_explicit(&e->owner_tid, w->tid,
 					      memory_order_relaxed);
-			wakes_add(k, kl__waiter_settle(w));
 			break;
 		}
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
 		holder_link(e, tw->h, w->tid, tw->os_tid, *f);
-		wakes_add(k, kl__waiter_settle(w));
 	}
 	return n;
+}
+
+/* Publishes their grant to the waiters pass_on listed.  Lock held. */
+static void
+settle_all(struct kl__waiter *granted, struct wakes *k)
+{
+	while (granted != NULL) {
+		struct kl__waiter *w = granted;
+
+		/* Read first: once settled, w may be gone. */
+		granted = w->next;
+		w->next = NULL;
+		wakes_add(k, kl__waiter_settle(w));
+	}
 }
 
 /* The word of e held with fence f after grants, from st, its word before.
@@ -591,6 +608,7 @@ waiter_left(struct kl__waitq *q)
 {
 	struct kl__entry *e = entry_of_queue(q);
 	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
 	uint64_t st, f;
 	bool held;
 
@@ -598,9 +616,10 @@ waiter_left(struct kl__waitq *q)
 		return;
 	st = state_of(e, memory_order_relaxed);
 	f = fence_of(st);
-	if (pass_on(e, &f, true, &held, &k) != 0)
+	if (pass_on(e, &f, true, &held, &granted) != 0)
 		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
+	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
 	 * until it returns. */
 	wakes_run(&k);
@@ -633,6 +652,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	  uint64_t *fence)
 {
 	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
 	uint64_t f;
 	bool held;
 	int rc = KEY_HELD;
@@ -640,7 +660,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	if (e->shared == NULL)
 		return KEY_HELD; /* held exclusively */
 	f = fence_of(*st);
-	(void)pass_on(e, &f, true, &held, &k);
+	(void)pass_on(e, &f, true, &held, &granted);
 	if (e->q.len == 0) {
 		holder_link(e, tw->h, tw->w.tid, tw->os_tid, ++f);
 		*fence = f;
@@ -648,6 +668,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	}
 	*st = held_word(e, *st, f);
 	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	settle_all(granted, &k);
 	wakes_run(&k);
 	return rc;
 }
@@ -814,6 +835,7 @@ static __attribute__((noinline)) void
 release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 {
 	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
 	void *prod = NULL;
 	uint64_t st, f;
 	bool held = false;
@@ -831,9 +853,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 		holder_unlink(e, h);
 		held = e->shared != NULL;
 	}
-	if (pass_on(e, &f, held, &held, &k) != 0) {
+	if (pass_on(e, &f, held, &held, &granted) != 0) {
 		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
+		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (held) {
