@@ -269,9 +269,7 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	}
 	if (e == NULL && (e = find(s, h, key, len, &chain)) != NULL)
 		st = state_of(e, memory_order_relaxed);
-	*holders = e == NULL || !(st & E_HELD) ? 0
-		   : e->shared != NULL	   ? shared_count(e)
-					   : 1;
+	*holders = e != NULL ? holder_count(e, st) : 0;
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -358,7 +356,7 @@ snap_count(struct kl__entry *e, uint64_t st, size_t len, size_t *rows,
 {
 	if (!(st & E_HELD))
 		return;
-	*rows += (e->shared != NULL ? shared_count(e) : 1) + e->q.len;
+	*rows += holder_count(e, st) + e->q.len;
 	*bytes += len + 1;
 }
 
@@ -376,7 +374,7 @@ snap_fill(struct kl__entry *e, uint64_t st, const char *key, size_t len,
 		return;
 	memcpy(keys + *bytes, key, len);
 	keys[*bytes + len] = '\0';
-	if (e->shared == NULL) {
+	if (shared_of(e, st) == NULL) {
 		struct snap_row *r = &rows[(*n)++];
 
 		memset(r, 0, sizeof *r);

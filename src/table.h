@@ -32,14 +32,15 @@ struct kl__holder {
 
 /* Only the table's files touch an entry's fields but key, state and lock;
  * they are here so that the accessors below are inlined.
- * 64 bytes and the key: with a key of up to 15 bytes an entry is one
- * 96-byte malloc chunk, the lease of kl_lock_acquire included (see
+ * 56 bytes and the key: with a key of up to 15 bytes an entry is one
+ * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
  * kl__entry_lock).  A slot entry (see table_acquire.c) has the same
  * layout.
  *
- * Modes: a key is held exclusively (E_HELD, owner_tid its holder) or
- * shared (E_HELD, owner_tid 0 and shared the ring of its holders, never
- * empty then).  A shared key is only ever taken and given back under the
+ * Modes: a key is held exclusively (E_HELD, owner_tid its holder, lock
+ * its holder's) or shared (E_HELD | E_SHARED, owner_tid 0, and shared
+ * the ring of its holders in lock's place: a shared holder's lease is never
+ * in the entry).  A shared key is only ever taken and given back under the
  * shard lock, so its word changes under the lock only. */
 struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
@@ -49,14 +50,17 @@ struct kl__entry {
 	/* E_* flags (below), and the fence from KL__ENTRY_FENCE_SHIFT */
 	atomic_uint_least64_t state;
 	atomic_uint_least64_t owner_tid; /* kl__thread_id() of the holder */
-	kl_lock *lock; /* for the holder's use: see kl__entry_lock */
-	/* The shared holders (a ring, the oldest first), NULL when the key
-	 * is held exclusively or not at all.  Shard lock. */
-	struct kl__holder *shared;
-	char key[];    /* len bytes and a NUL */
+	union {
+		/* Held exclusively: for the holder's use (kl__entry_lock). */
+		kl_lock *lock;
+		/* Held shared (E_SHARED): its holders, a ring, the oldest
+		 * first.  Shard lock. */
+		struct kl__holder *shared;
+	};
+	char key[]; /* len bytes and a NUL */
 };
 
-#define KL__ENTRY_FENCE_SHIFT 6
+#define KL__ENTRY_FENCE_SHIFT 7
 
 #define KL__TABLE_SHARDS 64
 /* Slot entries of a shard: a key of up to 15 bytes lives in the slot its
@@ -211,7 +215,8 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 #define E_USED 8u    /* slot: has a key */
 #define E_CHAIN 16u  /* slot: a chained key may have its index */
 #define E_BUSY 32u   /* slot: a stealer is writing its key */
-#define E_FLAGS 63u
+#define E_SHARED 64u /* held shared: see struct kl__entry */
+#define E_FLAGS 127u
 #define FENCE_SHIFT KL__ENTRY_FENCE_SHIFT
 #define FENCE_ONE ((uint64_t)1 << FENCE_SHIFT)
 
@@ -486,18 +491,30 @@ twaiter_of(struct kl__waiter *w)
 					  offsetof(struct twaiter, w));
 }
 
-/* Shared holders of e (0 when held exclusively or free).  Lock held. */
-static inline size_t
-shared_count(const struct kl__entry *e)
+/* The shared holders of e, found in word st: the ring, or NULL when the
+ * key is held exclusively or free.  Lock held. */
+static inline struct kl__holder *
+shared_of(const struct kl__entry *e, uint64_t st)
 {
-	const struct kl__holder *h = e->shared;
+	return (st & (E_HELD | E_SHARED)) == (E_HELD | E_SHARED) ? e->shared
+								 : NULL;
+}
+
+/* Holders of e, found in word st.  Lock held. */
+static inline size_t
+holder_count(const struct kl__entry *e, uint64_t st)
+{
+	const struct kl__holder *h = shared_of(e, st);
 	size_t n = 0;
 
-	if (h != NULL)
-		do {
-			n++;
-			h = h->next;
-		} while (h != e->shared);
+	if (!(st & E_HELD))
+		return 0;
+	if (h == NULL)
+		return 1;
+	do {
+		n++;
+		h = h->next;
+	} while (h != e->shared);
 	return n;
 }
 

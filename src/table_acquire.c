@@ -230,7 +230,6 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	KL_ANNOTATE_ATOMIC(&e->state);
 	KL_ANNOTATE_ATOMIC(&e->owner_tid);
 	e->lock = NULL;
-	e->shared = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
 	b = bucket_of(s, h, key, len);
@@ -464,8 +463,8 @@ os_tid(void)
 	return os_tid_cached;
 }
 
-/* Links h into the shared holders of e, granted with fence f to thread
- * tid.  Lock held. */
+/* Links h into the shared holders of e (shared NULL first when e was not
+ * held shared), granted with fence f to thread tid.  Lock held. */
 static void
 holder_link(struct kl__entry *e, struct kl__holder *h, uint64_t tid,
 	    int64_t ostid, uint64_t f)
@@ -547,6 +546,8 @@ pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
 
 	*held = shared;
 	*granted = NULL;
+	if (!shared)
+		e->shared = NULL; /* lock's place: see struct kl__entry */
 	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
 		struct twaiter *tw = twaiter_of(w);
 
@@ -583,13 +584,14 @@ settle_all(struct kl__waiter *granted, struct wakes *k)
 	}
 }
 
-/* The word of e held with fence f after grants, from st, its word before.
- * Lock held. */
+/* The word of e held with fence f after grants (shared when its ring of
+ * shared holders is not empty), from st, its word before.  Lock held. */
 static uint64_t
-held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
+held_word(const struct kl__entry *e, uint64_t st, uint64_t f, bool shared)
 {
 	return (f << FENCE_SHIFT) | (st & (E_SLOT | E_USED | E_CHAIN)) |
-	       E_HELD | (e->q.len != 0 ? E_WAITERS : 0);
+	       E_HELD | (shared ? E_SHARED : 0) |
+	       (e->q.len != 0 ? E_WAITERS : 0);
 }
 
 static struct kl__entry *
@@ -609,15 +611,13 @@ waiter_left(struct kl__waitq *q)
 	struct kl__entry *e = entry_of_queue(q);
 	struct wakes k = { .n = 0 };
 	struct kl__waiter *granted;
-	uint64_t st, f;
+	uint64_t st = state_of(e, memory_order_relaxed), f = fence_of(st);
 	bool held;
 
-	if (e->shared == NULL)
+	if (shared_of(e, st) == NULL)
 		return;
-	st = state_of(e, memory_order_relaxed);
-	f = fence_of(st);
 	if (pass_on(e, &f, true, &held, &granted) != 0)
-		atomic_store_explicit(&e->state, held_word(e, st, f),
+		atomic_store_explicit(&e->state, held_word(e, st, f, true),
 				      memory_order_relaxed);
 	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
@@ -629,7 +629,8 @@ waiter_left(struct kl__waitq *q)
 static bool
 holds(struct kl__entry *e, uint64_t tid)
 {
-	const struct kl__holder *h = e->shared;
+	const struct kl__holder *h =
+		shared_of(e, state_of(e, memory_order_relaxed));
 
 	if (h == NULL)
 		return atomic_load_explicit(&e->owner_tid,
@@ -657,7 +658,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	bool held;
 	int rc = KEY_HELD;
 
-	if (e->shared == NULL)
+	if (shared_of(e, *st) == NULL)
 		return KEY_HELD; /* held exclusively */
 	f = fence_of(*st);
 	(void)pass_on(e, &f, true, &held, &granted);
@@ -666,7 +667,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 		*fence = f;
 		rc = KL_OK;
 	}
-	*st = held_word(e, *st, f);
+	*st = held_word(e, *st, f, true);
 	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
 	settle_all(granted, &k);
 	wakes_run(&k);
@@ -697,8 +698,15 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 					atomic_store_explicit(
 						&e->owner_tid, 0,
 						memory_order_relaxed);
+					e->shared = NULL;
 					holder_link(e, tw->h, tw->w.tid,
 						    tw->os_tid, *fence);
+					atomic_store_explicit(
+						&e->state,
+						state_of(e,
+							 memory_order_relaxed) |
+							E_SHARED,
+						memory_order_relaxed);
 				}
 			}
 			break;
@@ -838,7 +846,7 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 	struct kl__waiter *granted;
 	void *prod = NULL;
 	uint64_t st, f;
-	bool held = false;
+	bool held = false, shared;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes a held word now (a lock-free
@@ -846,7 +854,7 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 	 * stores do. */
 	st = state_of(e, memory_order_relaxed);
 	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
-	KL_ASSERT((h != NULL) == (e->shared != NULL));
+	KL_ASSERT((h != NULL) == ((st & E_SHARED) != 0));
 	f = fence_of(st);
 	if (h != NULL) {
 		KL_ASSERT(h->entry == e);
@@ -854,7 +862,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 		held = e->shared != NULL;
 	}
 	if (pass_on(e, &f, held, &held, &granted) != 0) {
-		atomic_store_explicit(&e->state, held_word(e, st, f),
+		/* pass_on set the ring when it was not shared before. */
+		shared = e->shared != NULL;
+		atomic_store_explicit(&e->state,
+				      held_word(e, st, f, shared),
 				      memory_order_relaxed);
 		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
@@ -865,7 +876,8 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 		/* Waiters came and went: idle, as after a CAS release. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
 		atomic_store_explicit(&e->state,
-				      st & ~(uint64_t)(E_HELD | E_WAITERS),
+				      st & ~(uint64_t)(E_HELD | E_WAITERS |
+						       E_SHARED),
 				      memory_order_release);
 		e = NULL;
 	} else {

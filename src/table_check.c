@@ -21,13 +21,21 @@
 static int
 check_modes(struct kl__entry *e, uint64_t st, const char *what)
 {
-	const struct kl__holder *h = e->shared;
+	const struct kl__holder *h = shared_of(e, st);
 	size_t n = 0;
 
+	if ((st & E_SHARED) && !(st & E_HELD)) {
+		kl__test_report("%s: shared but not held, state %#llx", what,
+				(unsigned long long)st);
+		return KL_EINVAL;
+	}
+	if (h == NULL && (st & E_SHARED)) {
+		kl__test_report("%s: held shared by nobody", what);
+		return KL_EINVAL;
+	}
 	if (h == NULL)
 		return KL_OK;
-	if (!(st & E_HELD) ||
-	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
+	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
 		kl__test_report("%s: shared holders with state %#llx, owner "
 				"%llu",
 				what, (unsigned long long)st,
@@ -90,7 +98,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 		}
 	/* Only the lock's holder changes a chained entry's word. */
 	st = state_of(e, memory_order_relaxed);
-	if ((st & E_FLAGS & ~(uint64_t)E_WAITERS) != E_HELD ||
+	if ((st & E_FLAGS & ~(uint64_t)(E_WAITERS | E_SHARED)) != E_HELD ||
 	    fence_of(st) == 0) {
 		kl__test_report("shard %d: chained '%s' has state %#llx", i,
 				shown, (unsigned long long)st);
@@ -104,7 +112,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 		return KL_EINVAL;
 	}
 	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0 &&
-	    e->shared == NULL) {
+	    shared_of(e, st) == NULL) {
 		kl__test_report("shard %d: entry '%s' has no holder", i,
 				shown);
 		return KL_EINVAL;
@@ -161,7 +169,7 @@ check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 	    ((st & E_CHAIN) != 0) != (s->nchain[j] != 0)) {
 		bad = true;
 	} else if (!(st & E_USED)) {
-		bad = (st & (E_HELD | E_WAITERS)) || qlen != 0;
+		bad = (st & (E_HELD | E_WAITERS | E_SHARED)) || qlen != 0;
 	} else {
 		key_words(key, len < INLINE_KEY ? len : 0, w);
 		bad = len >= INLINE_KEY || w[0] != k[0] || w[1] != k[1] ||
