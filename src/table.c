@@ -374,17 +374,21 @@ snap_fill(struct kl__entry *e, uint64_t st, const char *key, size_t len,
 		return;
 	memcpy(keys + *bytes, key, len);
 	keys[*bytes + len] = '\0';
-	if (shared_of(e, st) == NULL) {
+	if (!held_shared(st) || (st & E_SOLO)) {
 		struct snap_row *r = &rows[(*n)++];
 
 		memset(r, 0, sizeof *r);
 		r->key_off = *bytes;
 		r->info.key_len = len;
+		r->info.shared = held_shared(st);
 		r->info.pid = pid;
-		/* The lock-free path records no gettid() nor time. */
-		r->info.fence = fence_of(st);
+		/* The lock-free path records no gettid() nor time, nor the
+		 * fence of a lone shared holder (the word's is the latest
+		 * grant's). */
+		r->info.fence = held_shared(st) ? 0 : fence_of(st);
 		r->info.elapsed_ms = -1;
-	} else {
+	}
+	if (shared_of(e, st) != NULL) {
 		struct kl__holder *h = e->shared;
 
 		do {

@@ -63,13 +63,14 @@
 #include "table.h"
 
 /* Gives the caller slot e, which it found idle in state st holding the
- * caller's key.  False when the word changed meanwhile.  The acquire pairs
- * with the release that left the slot idle. */
-static inline bool
-slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
-	  uint64_t *fence)
+ * caller's key, exclusively (mode 0) or as its lone shared holder (mode
+ * E_SOLO: see Modes below).  False when the word changed meanwhile.  The
+ * acquire pairs with the release that left the slot idle. */
+static inline __attribute__((always_inline)) bool
+slot_take(struct kl__entry *e, uint64_t st, uint64_t mode,
+	  struct kl__entry **out, uint64_t *fence)
 {
-	uint64_t held = (st + FENCE_ONE) | E_HELD;
+	uint64_t held = (st + FENCE_ONE) | E_HELD | mode;
 
 	KL_ASSERT((st & (E_SLOT | E_USED | E_HELD | E_BUSY)) ==
 		  (E_SLOT | E_USED));
@@ -80,7 +81,10 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
 	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
 	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
 			      memory_order_relaxed);
-	e->lock = NULL;
+	/* A lone shared holder leaves the word alone: a reader joining it
+	 * under the lock may already keep its ring there. */
+	if (mode == 0)
+		e->lock = NULL;
 	*out = e;
 	*fence = fence_of(held);
 	return true;
@@ -92,8 +96,8 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
  * caller searched the chains for the key. */
 static bool
 slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
-	   size_t len, const uint64_t w[2], struct kl__entry **out,
-	   uint64_t *fence)
+	   size_t len, const uint64_t w[2], uint64_t mode,
+	   struct kl__entry **out, uint64_t *fence)
 {
 	uint64_t f = fence_of(st), *k = slot_words(e), busy;
 	unsigned i = kl__table_slot_of(h);
@@ -108,7 +112,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 
 	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
-	       E_SLOT | E_USED | E_HELD | E_BUSY;
+	       E_SLOT | E_USED | E_HELD | E_BUSY | mode;
 
 	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, busy,
 						     memory_order_acquire,
@@ -175,7 +179,7 @@ slots_of(struct shard *s)
  * when that does not do: the caller takes the lock. */
 static inline __attribute__((always_inline)) bool
 fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
-	     struct kl__entry **out, uint64_t *fence)
+	     uint64_t mode, struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *slots =
 		atomic_load_explicit(&s->slots, memory_order_acquire);
@@ -195,12 +199,12 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 	 * was being replaced, the compare-and-swap below fails. */
 	atomic_thread_fence(memory_order_acquire);
 	if (mine)
-		return slot_take(e, st, out, fence);
+		return slot_take(e, st, mode, out, fence);
 	if (st & E_CHAIN)
 		return false;
 	/* Unmarked: no chained key has this slot's index, so the key can
 	 * be in the slot only, and the slot's floor is read unlocked. */
-	return slot_claim(s, e, st, h, len, w, out, fence);
+	return slot_claim(s, e, st, h, len, w, mode, out, fence);
 }
 
 /* ------------------------------------------------------------------ */
@@ -360,7 +364,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 				*out = e;
 				return KEY_HELD;
 			}
-			if (slot_take(e, *st, out, fence))
+			if (slot_take(e, *st, 0, out, fence))
 				return KL_OK;
 			continue; /* taken or stolen meanwhile */
 		}
@@ -372,7 +376,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 		if (!(*st & E_HELD)) {
 			/* The chains were searched: E_CHAIN does not stop
 			 * the lock's holder. */
-			if (slot_claim(s, e, *st, h, len, w, out, fence))
+			if (slot_claim(s, e, *st, h, len, w, 0, out, fence))
 				return KL_OK;
 			continue;
 		}
@@ -530,23 +534,24 @@ wakes_run(struct wakes *k)
 }
 
 /* Grants e's queue from its head while the head's request is grantable
- * (see Modes above), the key being free (shared false and no holder) or
- * held shared (shared true).  *f is the fence of the latest grant, and
- * gets that of the last one made here.  Returns how many were granted;
- * *held says whether the key is held after, and *granted lists the granted
- * waiters (through next, out of the queue now), for settle_all once the
- * caller has written the word: a granted holder may read its fence from
- * the word as soon as it is settled.  Lock held. */
+ * (see Modes above), e being in word st, the key free (shared false and
+ * no holder) or held shared (shared true).  *f is the fence of the latest
+ * grant, and gets that of the last one made here.  Returns how many were
+ * granted; *held says whether the key is held after, and *granted lists
+ * the granted waiters (through next, out of the queue now), for
+ * settle_all once the caller has written the word (held_word, with the
+ * ring in e->shared, valid after this call): a granted holder may read its
+ * fence from the word as soon as it is settled.  Lock held. */
 static unsigned
-pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
-	struct kl__waiter **granted)
+pass_on(struct kl__entry *e, uint64_t st, uint64_t *f, bool shared,
+	bool *held, struct kl__waiter **granted)
 {
 	struct kl__waiter *w, **tail = granted;
 	unsigned n = 0;
 
 	*held = shared;
 	*granted = NULL;
-	if (!shared)
+	if (!(st & E_SHARED))
 		e->shared = NULL; /* lock's place: see struct kl__entry */
 	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
 		struct twaiter *tw = twaiter_of(w);
@@ -564,7 +569,11 @@ pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
 					      memory_order_relaxed);
 			break;
 		}
-		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		/* owner_tid names the lone holder (E_SOLO) if there is
+		 * one, else nobody. */
+		if (!(st & E_SOLO))
+			atomic_store_explicit(&e->owner_tid, 0,
+					      memory_order_relaxed);
 		holder_link(e, tw->h, w->tid, tw->os_tid, *f);
 	}
 	return n;
@@ -584,14 +593,20 @@ settle_all(struct kl__waiter *granted, struct wakes *k)
 	}
 }
 
-/* The word of e held with fence f after grants (shared when its ring of
- * shared holders is not empty), from st, its word before.  Lock held. */
+/* The word of held entry e with fence f, from st, its word before (its
+ * E_SOLO kept), once e->shared is valid (pass_on): E_SHARED when the ring
+ * is not empty, E_WAITERS while anyone waits or a lone holder (E_SOLO)
+ * has others beside it, so that it gives the key back through the lock.
+ * Lock held. */
 static uint64_t
-held_word(const struct kl__entry *e, uint64_t st, uint64_t f, bool shared)
+held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
 {
-	return (f << FENCE_SHIFT) | (st & (E_SLOT | E_USED | E_CHAIN)) |
-	       E_HELD | (shared ? E_SHARED : 0) |
-	       (e->q.len != 0 ? E_WAITERS : 0);
+	bool ring = e->shared != NULL;
+
+	return (f << FENCE_SHIFT) |
+	       (st & (E_SLOT | E_USED | E_CHAIN | E_SOLO)) | E_HELD |
+	       (ring ? E_SHARED : 0) |
+	       (e->q.len != 0 || ((st & E_SOLO) && ring) ? E_WAITERS : 0);
 }
 
 static struct kl__entry *
@@ -604,7 +619,8 @@ entry_of_queue(struct kl__waitq *q)
 /* A waiter left q by its timeout or its cancel token (kl__waiter.left):
  * with the key held shared, the shared requests behind it may be
  * grantable now.  Held exclusively, nothing is.  Lock held; the key is
- * held (a waiter only queues on a held key), so the entry stays. */
+ * held (a waiter only queues on a held key, marked E_WAITERS, so the word
+ * stands still), so the entry stays. */
 static void
 waiter_left(struct kl__waitq *q)
 {
@@ -614,10 +630,10 @@ waiter_left(struct kl__waitq *q)
 	uint64_t st = state_of(e, memory_order_relaxed), f = fence_of(st);
 	bool held;
 
-	if (shared_of(e, st) == NULL)
+	if (!held_shared(st))
 		return;
-	if (pass_on(e, &f, true, &held, &granted) != 0)
-		atomic_store_explicit(&e->state, held_word(e, st, f, true),
+	if (pass_on(e, st, &f, true, &held, &granted) != 0)
+		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
 	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
@@ -629,25 +645,29 @@ waiter_left(struct kl__waitq *q)
 static bool
 holds(struct kl__entry *e, uint64_t tid)
 {
-	const struct kl__holder *h =
-		shared_of(e, state_of(e, memory_order_relaxed));
+	uint64_t st = state_of(e, memory_order_relaxed);
+	const struct kl__holder *h = shared_of(e, st);
 
-	if (h == NULL)
-		return atomic_load_explicit(&e->owner_tid,
-					    memory_order_relaxed) == tid;
-	do {
-		if (h->tid == tid)
-			return true;
-		h = h->next;
-	} while (h != e->shared);
+	if ((h == NULL || (st & E_SOLO)) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == tid)
+		return true;
+	if (h != NULL)
+		do {
+			if (h->tid == tid)
+				return true;
+			h = h->next;
+		} while (h != e->shared);
 	return false;
 }
+
+/* share_now's outcome when the word changed under it: look again. */
+#define KEY_MOVED 2
 
 /* A shared request that finds e held in word *st: grants the key at once
  * when it is held shared and nobody waits (after granting those at the
  * head that can be: a waiter whose expiry came but that has not woken
- * yet may have stood before them).  KL_OK with *fence, or KEY_HELD to
- * wait.  Lock held. */
+ * yet may have stood before them).  KL_OK with *fence, KEY_HELD to wait,
+ * KEY_MOVED when a lone holder gave the key back meanwhile.  Lock held. */
 static int
 share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	  uint64_t *fence)
@@ -658,16 +678,23 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	bool held;
 	int rc = KEY_HELD;
 
-	if (shared_of(e, *st) == NULL)
+	if (!held_shared(*st))
 		return KEY_HELD; /* held exclusively */
+	/* A lone holder (E_SOLO) gives the key back by compare-and-swap
+	 * unless marked: marked, the word stands still under the lock. */
+	if (!(*st & E_WAITERS)) {
+		if (!mark_waiting(e, *st))
+			return KEY_MOVED;
+		*st |= E_WAITERS;
+	}
 	f = fence_of(*st);
-	(void)pass_on(e, &f, true, &held, &granted);
+	(void)pass_on(e, *st, &f, true, &held, &granted);
 	if (e->q.len == 0) {
 		holder_link(e, tw->h, tw->w.tid, tw->os_tid, ++f);
 		*fence = f;
 		rc = KL_OK;
 	}
-	*st = held_word(e, *st, f, true);
+	*st = held_word(e, *st, f);
 	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
 	settle_all(granted, &k);
 	wakes_run(&k);
@@ -701,11 +728,10 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 					e->shared = NULL;
 					holder_link(e, tw->h, tw->w.tid,
 						    tw->os_tid, *fence);
+					st = state_of(e, memory_order_relaxed);
 					atomic_store_explicit(
 						&e->state,
-						state_of(e,
-							 memory_order_relaxed) |
-							E_SHARED,
+						held_word(e, st, *fence),
 						memory_order_relaxed);
 				}
 			}
@@ -715,10 +741,14 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 			rc = KL_EDEADLK;
 			break;
 		}
-		if (tw->h != NULL &&
-		    (rc = share_now(e, tw, &st, fence)) == KL_OK) {
-			*out = e;
-			break;
+		if (tw->h != NULL) {
+			rc = share_now(e, tw, &st, fence);
+			if (rc == KL_OK) {
+				*out = e;
+				break;
+			}
+			if (rc == KEY_MOVED)
+				continue;
 		}
 		if (deadline_ns != KL_NO_DEADLINE &&
 		    kl__now_ns() >= deadline_ns) {
@@ -809,7 +839,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	if (c != NULL)
 		return acquire_locked(s, h, key, len, deadline_ns, c, flags,
 				      NULL, out, fence);
-	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
+	if (len < INLINE_KEY && fast_acquire(s, h, key, len, 0, out, fence))
 		return KL_OK;
 	pthread_mutex_lock(&s->lock);
 	rc = take_locked(s, h, key, len, &e, &st, fence);
@@ -835,49 +865,54 @@ kl__table_acquire_shared(struct kl__table *t, const char *key, size_t len,
 			      flags, holder, &e, fence);
 }
 
-/* kl__table_release when the compare-and-swap cannot do (waiters marked,
- * a chained entry) and every release of a shared holder (h): the key
- * passes on to whom its queue's head makes grantable, or is left idle or
- * freed. */
+/* kl__table_release (and kl__table_release_solo, solo true) when the
+ * compare-and-swap cannot do (waiters marked, a chained entry), and every
+ * release of a shared holder's record (h): the key passes on to whom its
+ * queue's head makes grantable, or is left idle or freed. */
 static __attribute__((noinline)) void
-release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
+release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
+	       bool solo)
 {
 	struct wakes k = { .n = 0 };
 	struct kl__waiter *granted;
 	void *prod = NULL;
 	uint64_t st, f;
-	bool held = false, shared;
+	bool held = false;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes a held word now (a lock-free
-	 * taker needs it free, and the caller is a holder), so plain
-	 * stores do. */
+	 * taker needs it free, the caller is a holder, and a lone shared
+	 * holder beside others was marked E_WAITERS), so plain stores do. */
 	st = state_of(e, memory_order_relaxed);
 	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
-	KL_ASSERT((h != NULL) == ((st & E_SHARED) != 0));
+	KL_ASSERT(h == NULL || ((st & E_SHARED) && h->entry == e));
+	KL_ASSERT(!solo || (st & E_SOLO));
+	KL_ASSERT(solo || h != NULL || !held_shared(st));
 	f = fence_of(st);
-	if (h != NULL) {
-		KL_ASSERT(h->entry == e);
+	if (solo) {
+		st &= ~(uint64_t)E_SOLO;
+		held = (st & E_SHARED) != 0;
+	} else if (h != NULL) {
 		holder_unlink(e, h);
-		held = e->shared != NULL;
+		held = e->shared != NULL || (st & E_SOLO);
 	}
-	if (pass_on(e, &f, held, &held, &granted) != 0) {
-		/* pass_on set the ring when it was not shared before. */
-		shared = e->shared != NULL;
-		atomic_store_explicit(&e->state,
-				      held_word(e, st, f, shared),
+	if (pass_on(e, st, &f, held, &held, &granted) != 0) {
+		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
 		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (held) {
-		e = NULL; /* other shared holders remain */
+		/* Other shared holders remain. */
+		atomic_store_explicit(&e->state, held_word(e, st, f),
+				      memory_order_relaxed);
+		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
 		atomic_store_explicit(&e->state,
 				      st & ~(uint64_t)(E_HELD | E_WAITERS |
-						       E_SHARED),
+						       E_SHARED | E_SOLO),
 				      memory_order_release);
 		e = NULL;
 	} else {
@@ -890,8 +925,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 	kl__free(e);
 }
 
-void
-kl__table_release(struct kl__table *t, struct kl__entry *e)
+/* Gives back slot e, held by the caller (exclusively, or alone and shared:
+ * mode E_SOLO), by compare-and-swap while no mark asks for the lock. */
+static inline __attribute__((always_inline)) void
+release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
 {
 	uint64_t st = state_of(e, memory_order_relaxed);
 
@@ -908,12 +945,36 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 	 * (E_CHAIN or E_WAITERS): look again. */
 	while ((st & (E_SLOT | E_WAITERS)) == E_SLOT)
 		if (atomic_compare_exchange_weak_explicit(
-			    &e->state, &st, st & ~(uint64_t)E_HELD,
+			    &e->state, &st, st & ~(uint64_t)(E_HELD | mode),
 			    memory_order_release, memory_order_relaxed))
 			return;
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e, NULL);
+		       e, NULL, mode != 0);
+}
+
+void
+kl__table_release(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, 0);
+}
+
+bool
+kl__table_acquire_solo(struct kl__table *t, const char *key, size_t len,
+		       struct kl__entry **out, uint64_t *fence)
+{
+	uint32_t h = hash_of(t, key, len);
+
+	*out = NULL;
+	*fence = 0;
+	return len < INLINE_KEY &&
+	       fast_acquire(shard_of(t, h), h, key, len, E_SOLO, out, fence);
+}
+
+void
+kl__table_release_solo(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, E_SOLO);
 }
 
 void
@@ -924,7 +985,7 @@ kl__table_release_shared(struct kl__table *t, struct kl__holder *h)
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e, h);
+		       e, h, false);
 }
 
 #ifdef KL_TEST_HOOKS

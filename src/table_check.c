@@ -24,38 +24,50 @@ check_modes(struct kl__entry *e, uint64_t st, const char *what)
 	const struct kl__holder *h = shared_of(e, st);
 	size_t n = 0;
 
-	if ((st & E_SHARED) && !(st & E_HELD)) {
+	if ((st & (E_SHARED | E_SOLO)) && !(st & E_HELD)) {
 		kl__test_report("%s: shared but not held, state %#llx", what,
 				(unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (h == NULL && (st & E_SHARED)) {
-		kl__test_report("%s: held shared by nobody", what);
+	if ((st & E_SHARED) && h == NULL) {
+		kl__test_report("%s: a ring of nobody, state %#llx", what,
+				(unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (h == NULL)
-		return KL_OK;
-	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
-		kl__test_report("%s: shared holders with state %#llx, owner "
-				"%llu",
-				what, (unsigned long long)st,
+	if ((st & E_SOLO) && !(st & E_SLOT)) {
+		kl__test_report("%s: a lone shared holder of a chained key",
+				what);
+		return KL_EINVAL;
+	}
+	if ((st & E_SOLO) && h != NULL && !(st & E_WAITERS)) {
+		kl__test_report("%s: a lone shared holder beside others, not "
+				"marked: state %#llx",
+				what, (unsigned long long)st);
+		return KL_EINVAL;
+	}
+	if (h != NULL && !(st & E_SOLO) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
+		kl__test_report("%s: shared holders and an owner %llu", what,
 				(unsigned long long)atomic_load_explicit(
 					&e->owner_tid, memory_order_relaxed));
 		return KL_EINVAL;
 	}
-	do {
-		if (++n > 1000000 || h->entry != e || h->next == NULL ||
-		    h->prev == NULL || h->next->prev != h ||
-		    h->prev->next != h || h->tid == 0 ||
-		    h->fence > fence_of(st) || h->fence == 0) {
-			kl__test_report("%s: shared holder %zu badly linked "
-					"or named",
-					what, n);
-			return KL_EINVAL;
-		}
-		h = h->next;
-	} while (h != e->shared);
-	if (e->q.head != NULL && twaiter_of(e->q.head)->h != NULL &&
+	if (h != NULL)
+		do {
+			if (++n > 1000000 || h->entry != e ||
+			    h->next == NULL || h->prev == NULL ||
+			    h->next->prev != h || h->prev->next != h ||
+			    h->tid == 0 || h->fence > fence_of(st) ||
+			    h->fence == 0) {
+				kl__test_report("%s: shared holder %zu badly "
+						"linked or named",
+						what, n);
+				return KL_EINVAL;
+			}
+			h = h->next;
+		} while (h != e->shared);
+	if (held_shared(st) && e->q.head != NULL &&
+	    twaiter_of(e->q.head)->h != NULL &&
 	    e->q.head->expire_ns > kl__now_ns()) {
 		kl__test_report("%s: held shared, and a shared request "
 				"waits at the head",

@@ -1089,6 +1089,73 @@ START_TEST(test_shared_errorcheck)
 }
 END_TEST
 
+/* A free key of a slot is taken shared without the lock by a lone
+ * holder; others join it under the lock, it leaves before or after them,
+ * a writer queued behind it gets the key when it leaves, and errorcheck
+ * knows it. */
+START_TEST(test_shared_lone_holder)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *shc, *ex0, *ex;
+	kl_call call = { .key = "sh:lone", .cancel = NULL };
+	kl_lease *a = NULL, *t = NULL;
+	struct req b, x;
+	uint64_t fa;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	shc = mode_lock(p, KL_SHARED | KL_ERRORCHECK, 0);
+	ex0 = mode_lock(p, 0, 0);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(run_once(p, "sh:lone"), KL_OK); /* makes the slot */
+	for (int round = 0; round < 2; round++) {
+		ck_assert_int_eq(kl_lock_acquire(shc, &call, &a, NULL), KL_OK);
+		assert_status(p, "sh:lone", 1, 0);
+		ck_assert_int_eq(kl_lock_acquire(shc, &call, &t, NULL),
+				 KL_EDEADLK);
+		ck_assert_int_eq(kl_lock_acquire(ex0, &call, &t, NULL),
+				 KL_ETIMEDOUT);
+		req_start(&b, sh, "sh:lone", NULL);
+		test_poll(req_holds, &b, "a reader to join the lone one");
+		assert_status(p, "sh:lone", 2, 0);
+		ck_assert_uint_gt(b.fence, kl_lease_fence(a));
+		ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+		if (round == 0) {
+			/* The lone holder leaves first. */
+			kl_lease_release(a);
+			assert_status(p, "sh:lone", 1, 0);
+			ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+			req_end(&b);
+		} else {
+			req_end(&b);
+			assert_status(p, "sh:lone", 1, 0);
+			ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+			kl_lease_release(a);
+		}
+		assert_status(p, "sh:lone", 0, 0);
+		ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	}
+	/* A writer behind a lone holder. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	fa = kl_lease_fence(a);
+	req_start(&x, ex, "sh:lone", NULL);
+	wait_status(p, "sh:lone", 1, 1);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(a);
+	test_poll(req_holds, &x, "the writer to get the key");
+	ck_assert_uint_gt(x.fence, fa);
+	req_end(&x);
+	ck_assert_int_eq(x.rc, KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(shc);
+	kl_lock_free(ex0);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* kl_lock_run and a key set with KL_SHARED on the memory provider: the
  * function runs while another reader holds every key. */
 static int
@@ -1214,6 +1281,9 @@ START_TEST(test_snapshot_known_states)
 	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
 	ex = mode_lock(p, 0, KL_FOREVER);
 	ck_assert_int_eq(run_once(p, "snap:idle"), KL_OK);
+	/* Taken once, the key sits idle in its slot: a takes it without the
+	 * lock, as its lone shared holder, b joins it with a record. */
+	ck_assert_int_eq(run_once(p, "snap:k"), KL_OK);
 	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
 	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b, NULL), KL_OK);
 	call.key = lk;
@@ -1232,14 +1302,17 @@ START_TEST(test_snapshot_known_states)
 		ck_assert_uint_eq(s.row[i].key_len, strlen("snap:k"));
 		ck_assert_int_eq(s.row[i].pid, (int64_t)getpid());
 		ck_assert_ptr_null(s.row[i].detail);
-		ck_assert_int_ge(s.row[i].elapsed_ms, 0);
+		ck_assert_int_ge(s.row[i].elapsed_ms, i == f ? -1 : 0);
 	}
-	/* Holders first, in grant order, with their fences. */
+	/* Holders first, in grant order, with their fences: the lone
+	 * holder's thread, time and fence are not recorded. */
 	ck_assert(!s.row[f].waiting && s.row[f].shared);
 	ck_assert(!s.row[f + 1].waiting && s.row[f + 1].shared);
-	ck_assert_uint_eq(s.row[f].fence, kl_lease_fence(a));
+	ck_assert_uint_eq(s.row[f].fence, 0);
+	ck_assert_int_eq(s.row[f].tid, 0);
+	ck_assert_int_eq(s.row[f].elapsed_ms, -1);
 	ck_assert_uint_eq(s.row[f + 1].fence, kl_lease_fence(b));
-	ck_assert_int_eq(s.row[f].tid, me);
+	ck_assert_uint_gt(kl_lease_fence(b), kl_lease_fence(a));
 	ck_assert_int_eq(s.row[f + 1].tid, me);
 	/* Then the writer, then the reader behind it. */
 	ck_assert(s.row[f + 2].waiting && !s.row[f + 2].shared);
@@ -1352,6 +1425,7 @@ provider_memory_suite(void)
 	tcase_add_loop_test(tc, test_shared_writer_leaves, 0, 2);
 	tcase_add_test(tc, test_shared_try_once_and_fences);
 	tcase_add_test(tc, test_shared_errorcheck);
+	tcase_add_test(tc, test_shared_lone_holder);
 	tcase_add_test(tc, test_shared_run_and_sets);
 	tcase_add_test(tc, test_snapshot_known_states);
 	tcase_add_test(tc, test_snapshot_fn_may_lock);
