@@ -5,9 +5,10 @@
  * Locks' rule: see table_acquire.c).  Every lock without a provider shares
  * the process-wide one, so two locks on one key exclude each other.
  *
- * A lease is the key's entry, or for a shared holder its holder record,
- * allocated here, with the low bit of the handle set to tell them apart
- * (both are at least 8-byte aligned).
+ * A lease is the key's entry (an exclusive holder, or a lone shared one
+ * that took a free key without the lock: SOLO_LEASE), or a shared holder's
+ * record, allocated here (SHARED_LEASE); the low bits of the handle tell
+ * them apart (both are at least 8-byte aligned).
  */
 #include "config.h"
 
@@ -16,6 +17,8 @@
 #include "table.h"
 
 #define SHARED_LEASE ((uintptr_t)1)
+#define SOLO_LEASE ((uintptr_t)2)
+#define LEASE_KIND (SHARED_LEASE | SOLO_LEASE)
 
 static int
 mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
@@ -29,6 +32,14 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	(void)ttl_ms; /* a memory lock cannot outlive its process anyway */
 	(void)err;
 	if (flags & KL_SHARED) {
+		/* Without a token (one fired must fail even on a free key),
+		 * a free key is taken as an exclusive one is, without the
+		 * lock or an allocation. */
+		if (cancel == NULL &&
+		    kl__table_acquire_solo(impl, key, key_len, &e, fence)) {
+			*lease = (void *)((uintptr_t)e | SOLO_LEASE);
+			return KL_OK;
+		}
 		*lease = NULL;
 		*fence = 0;
 		if ((h = kl__malloc(sizeof *h)) == NULL)
@@ -52,16 +63,21 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 static int
 mem_release(void *impl, void *lease, kl_error *err)
 {
-	(void)err;
-	if ((uintptr_t)lease & SHARED_LEASE) {
-		struct kl__holder *h =
-			(void *)((uintptr_t)lease & ~SHARED_LEASE);
+	void *p = (void *)((uintptr_t)lease & ~LEASE_KIND);
 
-		kl__table_release_shared(impl, h);
-		kl__free(h);
-		return KL_OK;
+	(void)err;
+	switch ((uintptr_t)lease & LEASE_KIND) {
+	case SHARED_LEASE:
+		kl__table_release_shared(impl, p);
+		kl__free(p);
+		break;
+	case SOLO_LEASE:
+		kl__table_release_solo(impl, p);
+		break;
+	default:
+		kl__table_release(impl, p);
+		break;
 	}
-	kl__table_release(impl, lease);
 	return KL_OK;
 }
 

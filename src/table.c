@@ -269,9 +269,7 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	}
 	if (e == NULL && (e = find(s, h, key, len, &chain)) != NULL)
 		st = state_of(e, memory_order_relaxed);
-	*holders = e == NULL || !(st & E_HELD) ? 0
-		   : e->shared != NULL	   ? shared_count(e)
-					   : 1;
+	*holders = e != NULL ? holder_count(e, st) : 0;
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -358,7 +356,7 @@ snap_count(struct kl__entry *e, uint64_t st, size_t len, size_t *rows,
 {
 	if (!(st & E_HELD))
 		return;
-	*rows += (e->shared != NULL ? shared_count(e) : 1) + e->q.len;
+	*rows += holder_count(e, st) + e->q.len;
 	*bytes += len + 1;
 }
 
@@ -376,17 +374,21 @@ snap_fill(struct kl__entry *e, uint64_t st, const char *key, size_t len,
 		return;
 	memcpy(keys + *bytes, key, len);
 	keys[*bytes + len] = '\0';
-	if (e->shared == NULL) {
+	if (!held_shared(st) || (st & E_SOLO)) {
 		struct snap_row *r = &rows[(*n)++];
 
 		memset(r, 0, sizeof *r);
 		r->key_off = *bytes;
 		r->info.key_len = len;
+		r->info.shared = held_shared(st);
 		r->info.pid = pid;
-		/* The lock-free path records no gettid() nor time. */
-		r->info.fence = fence_of(st);
+		/* The lock-free path records no gettid() nor time, nor the
+		 * fence of a lone shared holder (the word's is the latest
+		 * grant's). */
+		r->info.fence = held_shared(st) ? 0 : fence_of(st);
 		r->info.elapsed_ms = -1;
-	} else {
+	}
+	if (shared_of(e, st) != NULL) {
 		struct kl__holder *h = e->shared;
 
 		do {

@@ -32,15 +32,19 @@ struct kl__holder {
 
 /* Only the table's files touch an entry's fields but key, state and lock;
  * they are here so that the accessors below are inlined.
- * 64 bytes and the key: with a key of up to 15 bytes an entry is one
- * 96-byte malloc chunk, the lease of kl_lock_acquire included (see
+ * 56 bytes and the key: with a key of up to 15 bytes an entry is one
+ * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
  * kl__entry_lock).  A slot entry (see table_acquire.c) has the same
  * layout.
  *
- * Modes: a key is held exclusively (E_HELD, owner_tid its holder) or
- * shared (E_HELD, owner_tid 0 and shared the ring of its holders, never
- * empty then).  A shared key is only ever taken and given back under the
- * shard lock, so its word changes under the lock only. */
+ * Modes: a key is held exclusively (E_HELD, owner_tid its holder, lock
+ * its holder's), or shared (E_HELD and E_SOLO or E_SHARED or both): by a
+ * lone holder that took the free key without the lock (E_SOLO, named by
+ * owner_tid), and by the ring of holder records in shared (E_SHARED), in
+ * lock's place (a shared holder's lease is never in the entry).  Only
+ * the E_SOLO holder takes or gives back a shared key without the lock, and
+ * only while it is alone: whoever joins it marks the word E_WAITERS first,
+ * so that the word changes under the lock only from then on. */
 struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
 	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
@@ -49,14 +53,17 @@ struct kl__entry {
 	/* E_* flags (below), and the fence from KL__ENTRY_FENCE_SHIFT */
 	atomic_uint_least64_t state;
 	atomic_uint_least64_t owner_tid; /* kl__thread_id() of the holder */
-	kl_lock *lock; /* for the holder's use: see kl__entry_lock */
-	/* The shared holders (a ring, the oldest first), NULL when the key
-	 * is held exclusively or not at all.  Shard lock. */
-	struct kl__holder *shared;
-	char key[];    /* len bytes and a NUL */
+	union {
+		/* Held exclusively: for the holder's use (kl__entry_lock). */
+		kl_lock *lock;
+		/* Held shared (E_SHARED): its holders, a ring, the oldest
+		 * first.  Shard lock. */
+		struct kl__holder *shared;
+	};
+	char key[]; /* len bytes and a NUL */
 };
 
-#define KL__ENTRY_FENCE_SHIFT 6
+#define KL__ENTRY_FENCE_SHIFT 8
 
 #define KL__TABLE_SHARDS 64
 /* Slot entries of a shard: a key of up to 15 bytes lives in the slot its
@@ -110,6 +117,16 @@ KL_HIDDEN int kl__table_acquire_shared(struct kl__table *t, const char *key,
 				       struct kl__holder *h, uint64_t *fence);
 KL_HIDDEN void kl__table_release_shared(struct kl__table *t,
 					struct kl__holder *h);
+/* The shared take without the lock: a key of up to 15 bytes that nobody
+ * holds or waits for is taken shared by the caller alone (E_SOLO), the
+ * entry standing for its holder, as an exclusive take does.  False when
+ * that does not do: kl__table_acquire_shared then.  Given back with
+ * kl__table_release_solo. */
+KL_HIDDEN bool kl__table_acquire_solo(struct kl__table *t, const char *key,
+				      size_t len, struct kl__entry **out,
+				      uint64_t *fence);
+KL_HIDDEN void kl__table_release_solo(struct kl__table *t,
+				      struct kl__entry *e);
 /* Calls fn once per holder and waiter of every key, as
  * kl_provider_snapshot says, with no lock held: each shard's entries are
  * copied under its lock first.  KL_OK or KL_ENOMEM. */
@@ -211,7 +228,9 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 #define E_USED 8u    /* slot: has a key */
 #define E_CHAIN 16u  /* slot: a chained key may have its index */
 #define E_BUSY 32u   /* slot: a stealer is writing its key */
-#define E_FLAGS 63u
+#define E_SHARED 64u /* held shared, the ring valid: see struct kl__entry */
+#define E_SOLO 128u  /* held shared by the entry's own holder (owner_tid) */
+#define E_FLAGS 255u
 #define FENCE_SHIFT KL__ENTRY_FENCE_SHIFT
 #define FENCE_ONE ((uint64_t)1 << FENCE_SHIFT)
 
@@ -486,13 +505,33 @@ twaiter_of(struct kl__waiter *w)
 					  offsetof(struct twaiter, w));
 }
 
-/* Shared holders of e (0 when held exclusively or free).  Lock held. */
-static inline size_t
-shared_count(const struct kl__entry *e)
+/* The shared holders of e, found in word st: the ring, or NULL when the
+ * key is held exclusively or free.  Lock held. */
+static inline struct kl__holder *
+shared_of(const struct kl__entry *e, uint64_t st)
 {
-	const struct kl__holder *h = e->shared;
-	size_t n = 0;
+	return (st & (E_HELD | E_SHARED)) == (E_HELD | E_SHARED) ? e->shared
+								 : NULL;
+}
 
+/* Whether word st says its key is held shared. */
+static inline bool
+held_shared(uint64_t st)
+{
+	return (st & E_HELD) && (st & (E_SHARED | E_SOLO));
+}
+
+/* Holders of e, found in word st.  Lock held. */
+static inline size_t
+holder_count(const struct kl__entry *e, uint64_t st)
+{
+	const struct kl__holder *h = shared_of(e, st);
+	size_t n = (st & E_SOLO) ? 1 : 0;
+
+	if (!(st & E_HELD))
+		return 0;
+	if (!held_shared(st))
+		return 1;
 	if (h != NULL)
 		do {
 			n++;

@@ -63,13 +63,14 @@
 #include "table.h"
 
 /* Gives the caller slot e, which it found idle in state st holding the
- * caller's key.  False when the word changed meanwhile.  The acquire pairs
- * with the release that left the slot idle. */
-static inline bool
-slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
-	  uint64_t *fence)
+ * caller's key, exclusively (mode 0) or as its lone shared holder (mode
+ * E_SOLO: see Modes below).  False when the word changed meanwhile.  The
+ * acquire pairs with the release that left the slot idle. */
+static inline __attribute__((always_inline)) bool
+slot_take(struct kl__entry *e, uint64_t st, uint64_t mode,
+	  struct kl__entry **out, uint64_t *fence)
 {
-	uint64_t held = (st + FENCE_ONE) | E_HELD;
+	uint64_t held = (st + FENCE_ONE) | E_HELD | mode;
 
 	KL_ASSERT((st & (E_SLOT | E_USED | E_HELD | E_BUSY)) ==
 		  (E_SLOT | E_USED));
@@ -80,7 +81,10 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
 	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
 	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
 			      memory_order_relaxed);
-	e->lock = NULL;
+	/* A lone shared holder leaves the word alone: a reader joining it
+	 * under the lock may already keep its ring there. */
+	if (mode == 0)
+		e->lock = NULL;
 	*out = e;
 	*fence = fence_of(held);
 	return true;
@@ -92,8 +96,8 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
  * caller searched the chains for the key. */
 static bool
 slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
-	   size_t len, const uint64_t w[2], struct kl__entry **out,
-	   uint64_t *fence)
+	   size_t len, const uint64_t w[2], uint64_t mode,
+	   struct kl__entry **out, uint64_t *fence)
 {
 	uint64_t f = fence_of(st), *k = slot_words(e), busy;
 	unsigned i = kl__table_slot_of(h);
@@ -108,7 +112,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 
 	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
-	       E_SLOT | E_USED | E_HELD | E_BUSY;
+	       E_SLOT | E_USED | E_HELD | E_BUSY | mode;
 
 	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, busy,
 						     memory_order_acquire,
@@ -175,7 +179,7 @@ slots_of(struct shard *s)
  * when that does not do: the caller takes the lock. */
 static inline __attribute__((always_inline)) bool
 fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
-	     struct kl__entry **out, uint64_t *fence)
+	     uint64_t mode, struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *slots =
 		atomic_load_explicit(&s->slots, memory_order_acquire);
@@ -195,12 +199,12 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 	 * was being replaced, the compare-and-swap below fails. */
 	atomic_thread_fence(memory_order_acquire);
 	if (mine)
-		return slot_take(e, st, out, fence);
+		return slot_take(e, st, mode, out, fence);
 	if (st & E_CHAIN)
 		return false;
 	/* Unmarked: no chained key has this slot's index, so the key can
 	 * be in the slot only, and the slot's floor is read unlocked. */
-	return slot_claim(s, e, st, h, len, w, out, fence);
+	return slot_claim(s, e, st, h, len, w, mode, out, fence);
 }
 
 /* ------------------------------------------------------------------ */
@@ -230,7 +234,6 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 	KL_ANNOTATE_ATOMIC(&e->state);
 	KL_ANNOTATE_ATOMIC(&e->owner_tid);
 	e->lock = NULL;
-	e->shared = NULL;
 	memcpy(e->key, key, len);
 	e->key[len] = '\0';
 	b = bucket_of(s, h, key, len);
@@ -361,7 +364,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 				*out = e;
 				return KEY_HELD;
 			}
-			if (slot_take(e, *st, out, fence))
+			if (slot_take(e, *st, 0, out, fence))
 				return KL_OK;
 			continue; /* taken or stolen meanwhile */
 		}
@@ -373,7 +376,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 		if (!(*st & E_HELD)) {
 			/* The chains were searched: E_CHAIN does not stop
 			 * the lock's holder. */
-			if (slot_claim(s, e, *st, h, len, w, out, fence))
+			if (slot_claim(s, e, *st, h, len, w, 0, out, fence))
 				return KL_OK;
 			continue;
 		}
@@ -464,8 +467,8 @@ os_tid(void)
 	return os_tid_cached;
 }
 
-/* Links h into the shared holders of e, granted with fence f to thread
- * tid.  Lock held. */
+/* Links h into the shared holders of e (shared NULL first when e was not
+ * held shared), granted with fence f to thread tid.  Lock held. */
 static void
 holder_link(struct kl__entry *e, struct kl__holder *h, uint64_t tid,
 	    int64_t ostid, uint64_t f)
@@ -531,19 +534,25 @@ wakes_run(struct wakes *k)
 }
 
 /* Grants e's queue from its head while the head's request is grantable
- * (see Modes above), the key being free (shared false and no holder) or
- * held shared (shared true).  *f is the fence of the latest grant, and
- * gets that of the last one made here.  Returns how many were granted;
- * *held says whether the key is held after.  The caller writes the word.
- * Lock held. */
+ * (see Modes above), e being in word st, the key free (shared false and
+ * no holder) or held shared (shared true).  *f is the fence of the latest
+ * grant, and gets that of the last one made here.  Returns how many were
+ * granted; *held says whether the key is held after, and *granted lists
+ * the granted waiters (through next, out of the queue now), for
+ * settle_all once the caller has written the word (held_word, with the
+ * ring in e->shared, valid after this call): a granted holder may read its
+ * fence from the word as soon as it is settled.  Lock held. */
 static unsigned
-pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
-	struct wakes *k)
+pass_on(struct kl__entry *e, uint64_t st, uint64_t *f, bool shared,
+	bool *held, struct kl__waiter **granted)
 {
-	struct kl__waiter *w;
+	struct kl__waiter *w, **tail = granted;
 	unsigned n = 0;
 
 	*held = shared;
+	*granted = NULL;
+	if (!(st & E_SHARED))
+		e->shared = NULL; /* lock's place: see struct kl__entry */
 	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
 		struct twaiter *tw = twaiter_of(w);
 
@@ -551,28 +560,53 @@ pass_on(struct kl__entry *e, uint64_t *f, bool shared, bool *held,
 			break;
 		kl__waitq_grant(&e->q, w);
 		w->data = ++*f;
+		*tail = w;
+		tail = &w->next;
 		n++;
 		*held = true;
 		if (tw->h == NULL) {
 			atomic_store_explicit(&e->owner_tid, w->tid,
 					      memory_order_relaxed);
-			wakes_add(k, kl__waiter_settle(w));
 			break;
 		}
-		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		/* owner_tid names the lone holder (E_SOLO) if there is
+		 * one, else nobody. */
+		if (!(st & E_SOLO))
+			atomic_store_explicit(&e->owner_tid, 0,
+					      memory_order_relaxed);
 		holder_link(e, tw->h, w->tid, tw->os_tid, *f);
-		wakes_add(k, kl__waiter_settle(w));
 	}
 	return n;
 }
 
-/* The word of e held with fence f after grants, from st, its word before.
+/* Publishes their grant to the waiters pass_on listed.  Lock held. */
+static void
+settle_all(struct kl__waiter *granted, struct wakes *k)
+{
+	while (granted != NULL) {
+		struct kl__waiter *w = granted;
+
+		/* Read first: once settled, w may be gone. */
+		granted = w->next;
+		w->next = NULL;
+		wakes_add(k, kl__waiter_settle(w));
+	}
+}
+
+/* The word of held entry e with fence f, from st, its word before (its
+ * E_SOLO kept), once e->shared is valid (pass_on): E_SHARED when the ring
+ * is not empty, E_WAITERS while anyone waits or a lone holder (E_SOLO)
+ * has others beside it, so that it gives the key back through the lock.
  * Lock held. */
 static uint64_t
 held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
 {
-	return (f << FENCE_SHIFT) | (st & (E_SLOT | E_USED | E_CHAIN)) |
-	       E_HELD | (e->q.len != 0 ? E_WAITERS : 0);
+	bool ring = e->shared != NULL;
+
+	return (f << FENCE_SHIFT) |
+	       (st & (E_SLOT | E_USED | E_CHAIN | E_SOLO)) | E_HELD |
+	       (ring ? E_SHARED : 0) |
+	       (e->q.len != 0 || ((st & E_SOLO) && ring) ? E_WAITERS : 0);
 }
 
 static struct kl__entry *
@@ -585,22 +619,23 @@ entry_of_queue(struct kl__waitq *q)
 /* A waiter left q by its timeout or its cancel token (kl__waiter.left):
  * with the key held shared, the shared requests behind it may be
  * grantable now.  Held exclusively, nothing is.  Lock held; the key is
- * held (a waiter only queues on a held key), so the entry stays. */
+ * held (a waiter only queues on a held key, marked E_WAITERS, so the word
+ * stands still), so the entry stays. */
 static void
 waiter_left(struct kl__waitq *q)
 {
 	struct kl__entry *e = entry_of_queue(q);
 	struct wakes k = { .n = 0 };
-	uint64_t st, f;
+	struct kl__waiter *granted;
+	uint64_t st = state_of(e, memory_order_relaxed), f = fence_of(st);
 	bool held;
 
-	if (e->shared == NULL)
+	if (!held_shared(st))
 		return;
-	st = state_of(e, memory_order_relaxed);
-	f = fence_of(st);
-	if (pass_on(e, &f, true, &held, &k) != 0)
+	if (pass_on(e, st, &f, true, &held, &granted) != 0)
 		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
+	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
 	 * until it returns. */
 	wakes_run(&k);
@@ -610,37 +645,50 @@ waiter_left(struct kl__waitq *q)
 static bool
 holds(struct kl__entry *e, uint64_t tid)
 {
-	const struct kl__holder *h = e->shared;
+	uint64_t st = state_of(e, memory_order_relaxed);
+	const struct kl__holder *h = shared_of(e, st);
 
-	if (h == NULL)
-		return atomic_load_explicit(&e->owner_tid,
-					    memory_order_relaxed) == tid;
-	do {
-		if (h->tid == tid)
-			return true;
-		h = h->next;
-	} while (h != e->shared);
+	if ((h == NULL || (st & E_SOLO)) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == tid)
+		return true;
+	if (h != NULL)
+		do {
+			if (h->tid == tid)
+				return true;
+			h = h->next;
+		} while (h != e->shared);
 	return false;
 }
+
+/* share_now's outcome when the word changed under it: look again. */
+#define KEY_MOVED 2
 
 /* A shared request that finds e held in word *st: grants the key at once
  * when it is held shared and nobody waits (after granting those at the
  * head that can be: a waiter whose expiry came but that has not woken
- * yet may have stood before them).  KL_OK with *fence, or KEY_HELD to
- * wait.  Lock held. */
+ * yet may have stood before them).  KL_OK with *fence, KEY_HELD to wait,
+ * KEY_MOVED when a lone holder gave the key back meanwhile.  Lock held. */
 static int
 share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	  uint64_t *fence)
 {
 	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
 	uint64_t f;
 	bool held;
 	int rc = KEY_HELD;
 
-	if (e->shared == NULL)
+	if (!held_shared(*st))
 		return KEY_HELD; /* held exclusively */
+	/* A lone holder (E_SOLO) gives the key back by compare-and-swap
+	 * unless marked: marked, the word stands still under the lock. */
+	if (!(*st & E_WAITERS)) {
+		if (!mark_waiting(e, *st))
+			return KEY_MOVED;
+		*st |= E_WAITERS;
+	}
 	f = fence_of(*st);
-	(void)pass_on(e, &f, true, &held, &k);
+	(void)pass_on(e, *st, &f, true, &held, &granted);
 	if (e->q.len == 0) {
 		holder_link(e, tw->h, tw->w.tid, tw->os_tid, ++f);
 		*fence = f;
@@ -648,6 +696,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 	}
 	*st = held_word(e, *st, f);
 	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	settle_all(granted, &k);
 	wakes_run(&k);
 	return rc;
 }
@@ -676,8 +725,14 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 					atomic_store_explicit(
 						&e->owner_tid, 0,
 						memory_order_relaxed);
+					e->shared = NULL;
 					holder_link(e, tw->h, tw->w.tid,
 						    tw->os_tid, *fence);
+					st = state_of(e, memory_order_relaxed);
+					atomic_store_explicit(
+						&e->state,
+						held_word(e, st, *fence),
+						memory_order_relaxed);
 				}
 			}
 			break;
@@ -686,10 +741,14 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 			rc = KL_EDEADLK;
 			break;
 		}
-		if (tw->h != NULL &&
-		    (rc = share_now(e, tw, &st, fence)) == KL_OK) {
-			*out = e;
-			break;
+		if (tw->h != NULL) {
+			rc = share_now(e, tw, &st, fence);
+			if (rc == KL_OK) {
+				*out = e;
+				break;
+			}
+			if (rc == KEY_MOVED)
+				continue;
 		}
 		if (deadline_ns != KL_NO_DEADLINE &&
 		    kl__now_ns() >= deadline_ns) {
@@ -780,7 +839,7 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	if (c != NULL)
 		return acquire_locked(s, h, key, len, deadline_ns, c, flags,
 				      NULL, out, fence);
-	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
+	if (len < INLINE_KEY && fast_acquire(s, h, key, len, 0, out, fence))
 		return KL_OK;
 	pthread_mutex_lock(&s->lock);
 	rc = take_locked(s, h, key, len, &e, &st, fence);
@@ -806,43 +865,54 @@ kl__table_acquire_shared(struct kl__table *t, const char *key, size_t len,
 			      flags, holder, &e, fence);
 }
 
-/* kl__table_release when the compare-and-swap cannot do (waiters marked,
- * a chained entry) and every release of a shared holder (h): the key
- * passes on to whom its queue's head makes grantable, or is left idle or
- * freed. */
+/* kl__table_release (and kl__table_release_solo, solo true) when the
+ * compare-and-swap cannot do (waiters marked, a chained entry), and every
+ * release of a shared holder's record (h): the key passes on to whom its
+ * queue's head makes grantable, or is left idle or freed. */
 static __attribute__((noinline)) void
-release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
+release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
+	       bool solo)
 {
 	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
 	void *prod = NULL;
 	uint64_t st, f;
 	bool held = false;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes a held word now (a lock-free
-	 * taker needs it free, and the caller is a holder), so plain
-	 * stores do. */
+	 * taker needs it free, the caller is a holder, and a lone shared
+	 * holder beside others was marked E_WAITERS), so plain stores do. */
 	st = state_of(e, memory_order_relaxed);
 	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
-	KL_ASSERT((h != NULL) == (e->shared != NULL));
+	KL_ASSERT(h == NULL || ((st & E_SHARED) && h->entry == e));
+	KL_ASSERT(!solo || (st & E_SOLO));
+	KL_ASSERT(solo || h != NULL || !held_shared(st));
 	f = fence_of(st);
-	if (h != NULL) {
-		KL_ASSERT(h->entry == e);
+	if (solo) {
+		st &= ~(uint64_t)E_SOLO;
+		held = (st & E_SHARED) != 0;
+	} else if (h != NULL) {
 		holder_unlink(e, h);
-		held = e->shared != NULL;
+		held = e->shared != NULL || (st & E_SOLO);
 	}
-	if (pass_on(e, &f, held, &held, &k) != 0) {
+	if (pass_on(e, st, &f, held, &held, &granted) != 0) {
 		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
+		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (held) {
-		e = NULL; /* other shared holders remain */
+		/* Other shared holders remain. */
+		atomic_store_explicit(&e->state, held_word(e, st, f),
+				      memory_order_relaxed);
+		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
 		atomic_store_explicit(&e->state,
-				      st & ~(uint64_t)(E_HELD | E_WAITERS),
+				      st & ~(uint64_t)(E_HELD | E_WAITERS |
+						       E_SHARED | E_SOLO),
 				      memory_order_release);
 		e = NULL;
 	} else {
@@ -855,8 +925,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h)
 	kl__free(e);
 }
 
-void
-kl__table_release(struct kl__table *t, struct kl__entry *e)
+/* Gives back slot e, held by the caller (exclusively, or alone and shared:
+ * mode E_SOLO), by compare-and-swap while no mark asks for the lock. */
+static inline __attribute__((always_inline)) void
+release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
 {
 	uint64_t st = state_of(e, memory_order_relaxed);
 
@@ -873,12 +945,36 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 	 * (E_CHAIN or E_WAITERS): look again. */
 	while ((st & (E_SLOT | E_WAITERS)) == E_SLOT)
 		if (atomic_compare_exchange_weak_explicit(
-			    &e->state, &st, st & ~(uint64_t)E_HELD,
+			    &e->state, &st, st & ~(uint64_t)(E_HELD | mode),
 			    memory_order_release, memory_order_relaxed))
 			return;
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e, NULL);
+		       e, NULL, mode != 0);
+}
+
+void
+kl__table_release(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, 0);
+}
+
+bool
+kl__table_acquire_solo(struct kl__table *t, const char *key, size_t len,
+		       struct kl__entry **out, uint64_t *fence)
+{
+	uint32_t h = hash_of(t, key, len);
+
+	*out = NULL;
+	*fence = 0;
+	return len < INLINE_KEY &&
+	       fast_acquire(shard_of(t, h), h, key, len, E_SOLO, out, fence);
+}
+
+void
+kl__table_release_solo(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, E_SOLO);
 }
 
 void
@@ -889,7 +985,7 @@ kl__table_release_shared(struct kl__table *t, struct kl__holder *h)
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e, h);
+		       e, h, false);
 }
 
 #ifdef KL_TEST_HOOKS
