@@ -12,18 +12,21 @@
  * killed one's place, up to a budget per round) and SIGSTOPs others for up
  * to 400 ms, then SIGCONTs them.
  *
- * Every grant is recorded in a shared ledger (one O_APPEND file, one write
- * a record): "S key fence pid tid t" just after the grant and "E ... t"
- * just before the release, t from CLOCK_MONOTONIC (one clock for the whole
- * host).  A holder killed before its E record holds until it dies, which
- * is after the moment the test sent SIGKILL: its interval is taken to end
- * then, which can only shorten it.  The checks, all on outcomes:
- * - per key, the recorded intervals never overlap (each recorded interval
- *   lies within the real one, so an overlap is a double grant);
- * - inside the section each holder writes its id into a per-key owner file,
- *   lets others run, and reads it back: another id is a double grant too;
- * - per key, fences strictly increase in grant order, across rounds and
- *   across removed and recreated queue files;
+ * A third of the acquires are KL_SHARED (issue 17).  Every grant is
+ * recorded in a shared ledger (one O_APPEND file, one write a record):
+ * "S key fence id t mode" just after the grant and "E ... t" just before
+ * the release, t from CLOCK_MONOTONIC (one clock for the whole host).  A
+ * holder killed before its E record holds until it dies, which is after
+ * the moment the test sent SIGKILL: its interval is taken to end then,
+ * which can only shorten it.  The checks, all on outcomes:
+ * - per key, in fence order (which is grant order), an exclusive grant's
+ *   recorded interval starts after every earlier grant's ended, and a
+ *   shared one's after every earlier exclusive grant's ended (each
+ *   recorded interval lies within the real one, so a failure is a double
+ *   grant); fences never repeat;
+ * - inside the section each exclusive holder writes its id into a per-key
+ *   owner file, lets others run, and reads it back: another id is a double
+ *   grant too;
  * - every acquire returns KL_OK or KL_ETIMEDOUT (anything else is a
  *   failure the helper records), and none outlives its timeout by more
  *   than CH_HANG_MS; a helper that does not finish within the round's hang
@@ -206,6 +209,7 @@ child_thread(void *arg)
 		o.provider = p;
 		o.key = key;
 		o.timeout_ms = to;
+		o.flags = st_below(&rng, 3) == 0 ? KL_SHARED : 0;
 		memset(&err, 0, sizeof err);
 		if ((rc = kl_lock_new(&l, &o)) != KL_OK) {
 			record(c->lfd, "F %d %ld %d kl_lock_new\n", k, id, rc);
@@ -217,8 +221,7 @@ child_thread(void *arg)
 			/* Status looks at tickets with shared flocks, which
 			 * acquirers then wait for. */
 			if ((rc = kl_provider_status(p, key, &h, &w, &err)) !=
-				    KL_OK ||
-			    h > 1)
+			    KL_OK)
 				record(c->lfd, "F %d %ld %d status %zu %s\n", k,
 				       id, rc, h, rc ? err.message : "");
 		}
@@ -236,9 +239,11 @@ child_thread(void *arg)
 			       err.message);
 		} else {
 			fence = kl_lease_fence(lease);
-			record(c->lfd, "S %d %" PRIu64 " %ld %" PRId64 "\n", k,
-			       fence, id, mono_ns());
-			if (!owner_check(c->dir, k, id, &other))
+			record(c->lfd, "S %d %" PRIu64 " %ld %" PRId64 " %c\n",
+			       k, fence, id, mono_ns(),
+			       o.flags & KL_SHARED ? 's' : 'x');
+			if (!(o.flags & KL_SHARED) &&
+			    !owner_check(c->dir, k, id, &other))
 				record(c->lfd, "X %d %ld %ld\n", k, id, other);
 			if (st_below(&rng, 4) == 0) {
 				struct timespec ts = {
@@ -308,7 +313,7 @@ child_main(int argc, char **argv)
 				       c.serial * 16, rc, err.message);
 			} else {
 				record(c.lfd, "S %d %" PRIu64 " %ld %" PRId64
-					      "\n",
+					      " x\n",
 				       k, kl_lease_fence(lease),
 				       c.serial * 16, mono_ns());
 				record(c.lfd, "E %d %" PRIu64 " %ld %" PRId64
@@ -381,6 +386,7 @@ struct grant {
 	uint64_t fence;
 	long id;
 	int64_t start, end;
+	bool shared;
 };
 
 static int
@@ -390,7 +396,7 @@ grant_cmp(const void *a, const void *b)
 
 	if (x->key != y->key)
 		return x->key < y->key ? -1 : 1;
-	return x->start < y->start ? -1 : x->start > y->start;
+	return x->fence < y->fence ? -1 : x->fence > y->fence;
 }
 
 /* Reads the ledger and checks it; a message in why when it fails. */
@@ -410,10 +416,11 @@ ledger_check(struct chaos *ch, char *why, size_t size)
 		uint64_t fence;
 		long id;
 		int64_t t;
+		char mode;
 
 		if (line[0] == 'S' &&
-		    sscanf(line, "S %d %" SCNu64 " %ld %" SCNd64, &k, &fence,
-			   &id, &t) == 4) {
+		    sscanf(line, "S %d %" SCNu64 " %ld %" SCNd64 " %c", &k,
+			   &fence, &id, &t, &mode) == 5) {
 			if (n == CH_MAX_REC) {
 				snprintf(why, size, "ledger too long");
 				ok = false;
@@ -424,6 +431,7 @@ ledger_check(struct chaos *ch, char *why, size_t size)
 			g[n].id = id;
 			g[n].start = t;
 			g[n].end = -1;
+			g[n].shared = mode == 's';
 			n++;
 			ch->grants++;
 		} else if (line[0] == 'E' &&
@@ -466,24 +474,39 @@ ledger_check(struct chaos *ch, char *why, size_t size)
 	}
 	if (ok)
 		qsort(g, (size_t)n, sizeof *g, grant_cmp);
-	for (int i = 1; ok && i < n; i++) {
-		if (g[i].key != g[i - 1].key)
-			continue;
-		if (g[i].start < g[i - 1].end) {
+	/* In fence order per key: the latest-ending earlier grant (all, and
+	 * exclusive ones) must have ended before a grant that excludes it
+	 * started. */
+	for (int i = 0, all = -1, excl = -1; ok && i < n; i++) {
+		int before;
+
+		if (i == 0 || g[i].key != g[i - 1].key) {
+			all = excl = -1;
+		} else if (g[i].fence == g[i - 1].fence) {
+			snprintf(why, size, "key %d: fence %" PRIu64 " twice",
+				 g[i].key, g[i].fence);
+			ok = false;
+			break;
+		}
+		before = g[i].shared ? excl : all;
+		if (before >= 0 && g[i].start < g[before].end) {
 			snprintf(why, size,
 				 "key %d held twice: fence %" PRIu64
-				 " by %ld [%" PRId64 ", %" PRId64
-				 "] and fence %" PRIu64 " by %ld from %" PRId64,
-				 g[i].key, g[i - 1].fence, g[i - 1].id,
-				 g[i - 1].start, g[i - 1].end, g[i].fence,
+				 " (%s) by %ld [%" PRId64 ", %" PRId64
+				 "] and fence %" PRIu64 " (%s) by %ld from "
+				 "%" PRId64,
+				 g[i].key, g[before].fence,
+				 g[before].shared ? "shared" : "exclusive",
+				 g[before].id, g[before].start,
+				 g[before].end, g[i].fence,
+				 g[i].shared ? "shared" : "exclusive",
 				 g[i].id, g[i].start);
 			ok = false;
-		} else if (g[i].fence <= g[i - 1].fence) {
-			snprintf(why, size,
-				 "key %d: fence %" PRIu64 " granted after %" PRIu64,
-				 g[i].key, g[i].fence, g[i - 1].fence);
-			ok = false;
 		}
+		if (all < 0 || g[i].end > g[all].end)
+			all = i;
+		if (!g[i].shared && (excl < 0 || g[i].end > g[excl].end))
+			excl = i;
 	}
 	free(g);
 	return ok;
