@@ -179,6 +179,11 @@ struct kl__waiter {
 	struct kl__cancel_hook chook;
 	uint64_t tid;  /* kl__thread_id() of the waiting thread */
 	uint64_t data; /* for the queue's user: token id, fence */
+	/* For the queue's user (NULL: none): called with the lock held right
+	 * after this waiter left q on its own, by its timeout or by its
+	 * cancel token, never after a grant or an eviction.  The key table
+	 * grants the shared requests that this waiter stood in front of. */
+	void (*left)(struct kl__waitq *q);
 };
 
 /* The waiters form a ring through next and prev: head->prev is the tail.
@@ -230,6 +235,12 @@ KL_HIDDEN void kl__waiter_finish(struct kl__waiter *w);
  * may set the waiter's data, then must call kl__waiter_settle(w) before it
  * drops the lock and kl__unpark() with its result after. */
 KL_HIDDEN struct kl__waiter *kl__waitq_grant_head(struct kl__waitq *q);
+/* The head waiter, left queued, after failing the expired ones in front of
+ * it as kl__waitq_grant_head does; NULL when none is left.  Lock held.
+ * kl__waitq_grant(q, w) then takes it out as GRANTED, to be settled as
+ * after kl__waitq_grant_head. */
+KL_HIDDEN struct kl__waiter *kl__waitq_live_head(struct kl__waitq *q);
+KL_HIDDEN void kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w);
 /* After a grant: wakes the new head early if it is parked, so that it spins
  * by the time its own grant comes.  Lock held.  Returns what to kl__unpark
  * after dropping it, besides the granted waiter's wake-up. */

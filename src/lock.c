@@ -159,7 +159,13 @@ kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 	l->on_event = opts->on_event;
 	l->event_arg = opts->event_arg;
 	l->flags = opts->flags;
-	l->table = l->on_event == NULL ? l->provider->table : NULL;
+	/* A shared holder has no room in the key's entry: its lease is a
+	 * holder record the memory provider allocates (see
+	 * provider_memory.c), so a KL_SHARED lock goes through the
+	 * provider. */
+	l->table = l->on_event == NULL && !(l->flags & KL_SHARED)
+			   ? l->provider->table
+			   : NULL;
 	*out = l;
 	return KL_OK;
 }

@@ -1,8 +1,14 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * The memory provider: one holder per key within the process, in arrival
- * order, over the key table.  Every lock without a provider shares the
- * process-wide one, so two locks on one key exclude each other.
+ * The memory provider: keys of the process, in arrival order, over the key
+ * table; a key is held by one holder, or by many with KL_SHARED (W3C Web
+ * Locks' rule: see table_acquire.c).  Every lock without a provider shares
+ * the process-wide one, so two locks on one key exclude each other.
+ *
+ * A lease is the key's entry (an exclusive holder, or a lone shared one
+ * that took a free key without the lock: SOLO_LEASE), or a shared holder's
+ * record, allocated here (SHARED_LEASE); the low bits of the handle tell
+ * them apart (both are at least 8-byte aligned).
  */
 #include "config.h"
 
@@ -10,16 +16,44 @@
 
 #include "table.h"
 
+#define SHARED_LEASE ((uintptr_t)1)
+#define SOLO_LEASE ((uintptr_t)2)
+#define LEASE_KIND (SHARED_LEASE | SOLO_LEASE)
+
 static int
 mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	    int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
 	    uint64_t *fence, kl_error *err)
 {
 	struct kl__entry *e;
+	struct kl__holder *h;
 	int rc;
 
 	(void)ttl_ms; /* a memory lock cannot outlive its process anyway */
 	(void)err;
+	if (flags & KL_SHARED) {
+		/* Without a token (one fired must fail even on a free key),
+		 * a free key is taken as an exclusive one is, without the
+		 * lock or an allocation. */
+		if (cancel == NULL &&
+		    kl__table_acquire_solo(impl, key, key_len, &e, fence)) {
+			*lease = (void *)((uintptr_t)e | SOLO_LEASE);
+			return KL_OK;
+		}
+		*lease = NULL;
+		*fence = 0;
+		if ((h = kl__malloc(sizeof *h)) == NULL)
+			return KL_ENOMEM;
+		rc = kl__table_acquire_shared(impl, key, key_len,
+					      kl__deadline(timeout_ms), cancel,
+					      flags, h, fence);
+		if (rc != KL_OK) {
+			kl__free(h);
+			return rc;
+		}
+		*lease = (void *)((uintptr_t)h | SHARED_LEASE);
+		return KL_OK;
+	}
 	rc = kl__table_acquire(impl, key, key_len, kl__deadline(timeout_ms),
 			       cancel, flags, &e, fence);
 	*lease = e;
@@ -29,8 +63,21 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 static int
 mem_release(void *impl, void *lease, kl_error *err)
 {
+	void *p = (void *)((uintptr_t)lease & ~LEASE_KIND);
+
 	(void)err;
-	kl__table_release(impl, lease);
+	switch ((uintptr_t)lease & LEASE_KIND) {
+	case SHARED_LEASE:
+		kl__table_release_shared(impl, p);
+		kl__free(p);
+		break;
+	case SOLO_LEASE:
+		kl__table_release_solo(impl, p);
+		break;
+	default:
+		kl__table_release(impl, p);
+		break;
+	}
 	return KL_OK;
 }
 
@@ -40,6 +87,16 @@ mem_status(void *impl, const char *key, size_t key_len, size_t *holders,
 {
 	(void)err;
 	return kl__table_status(impl, key, key_len, holders, waiters);
+}
+
+static int
+mem_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	int rc = kl__table_snapshot(impl, fn, arg);
+
+	if (rc != KL_OK)
+		kl__error_set(err, rc, "out of memory for the snapshot");
+	return rc;
 }
 
 static void
@@ -56,6 +113,7 @@ static const kl_provider_ops memory_ops = {
 	.valid = NULL,
 	.destroy = mem_destroy,
 	.status = mem_status,
+	.snapshot = mem_snapshot,
 };
 
 static kl_provider shared_provider;

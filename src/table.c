@@ -22,6 +22,8 @@
  */
 #include "config.h"
 
+#include <unistd.h>
+
 #define KL__TABLE_PRIVATE
 #include "table.h"
 
@@ -267,7 +269,7 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	}
 	if (e == NULL && (e = find(s, h, key, len, &chain)) != NULL)
 		st = state_of(e, memory_order_relaxed);
-	*holders = e != NULL && (st & E_HELD);
+	*holders = e != NULL ? holder_count(e, st) : 0;
 	*waiters = e != NULL ? e->q.len : 0;
 	pthread_mutex_unlock(&s->lock);
 	return KL_OK;
@@ -308,4 +310,206 @@ kl__table_stats(struct kl__table *t, struct kl__table_stats *out)
 		}
 		pthread_mutex_unlock(&s->lock);
 	}
+}
+
+/* ------------------------------------------------------------------ */
+/* Snapshots */
+
+/* A row of a snapshot: info, whose key is at key_off of the shard's key
+ * bytes until the rows are handed out. */
+struct snap_row {
+	kl_lock_info info;
+	size_t key_off;
+};
+
+/* A slot as it stood at one moment: its word, key and queue.  Lock held
+ * (so its queue, and the word of a slot with waiters or held shared,
+ * stand still; a lock-free holder may still give back a slot held
+ * exclusively, and the copy then shows it held as it was). */
+struct slot_copy {
+	uint64_t st;
+	uint32_t len;
+	char key[INLINE_KEY];
+};
+
+static void
+slot_copy(struct kl__entry *e, struct slot_copy *c)
+{
+	uint64_t k[2];
+
+	do {
+		c->st = slot_wait_unbusy(e);
+		c->len = __atomic_load_n(&e->len, __ATOMIC_RELAXED);
+		k[0] = __atomic_load_n(&slot_words(e)[0], __ATOMIC_RELAXED);
+		k[1] = __atomic_load_n(&slot_words(e)[1], __ATOMIC_RELAXED);
+		atomic_thread_fence(memory_order_acquire);
+	} while (state_of(e, memory_order_relaxed) != c->st);
+	memcpy(c->key, k, sizeof c->key);
+	if (c->len >= INLINE_KEY)
+		c->len = 0; /* cannot happen for a used slot */
+}
+
+/* Rows and key bytes entry e (held in word st) adds.  Lock held. */
+static void
+snap_count(struct kl__entry *e, uint64_t st, size_t len, size_t *rows,
+	   size_t *bytes)
+{
+	if (!(st & E_HELD))
+		return;
+	*rows += holder_count(e, st) + e->q.len;
+	*bytes += len + 1;
+}
+
+/* Writes the rows of entry e, held in word st, with key (len bytes) at
+ * *bytes of keys.  Lock held. */
+static void
+snap_fill(struct kl__entry *e, uint64_t st, const char *key, size_t len,
+	  struct snap_row *rows, size_t *n, char *keys, size_t *bytes,
+	  int64_t pid, int64_t now, int64_t coarse)
+{
+	struct kl__waiter *w;
+	size_t pos = 0;
+
+	if (!(st & E_HELD))
+		return;
+	memcpy(keys + *bytes, key, len);
+	keys[*bytes + len] = '\0';
+	if (!held_shared(st) || (st & E_SOLO)) {
+		struct snap_row *r = &rows[(*n)++];
+
+		memset(r, 0, sizeof *r);
+		r->key_off = *bytes;
+		r->info.key_len = len;
+		r->info.shared = held_shared(st);
+		r->info.pid = pid;
+		/* The lock-free path records no gettid() nor time, nor the
+		 * fence of a lone shared holder (the word's is the latest
+		 * grant's). */
+		r->info.fence = held_shared(st) ? 0 : fence_of(st);
+		r->info.elapsed_ms = -1;
+	}
+	if (shared_of(e, st) != NULL) {
+		struct kl__holder *h = e->shared;
+
+		do {
+			struct snap_row *r = &rows[(*n)++];
+
+			memset(r, 0, sizeof *r);
+			r->key_off = *bytes;
+			r->info.key_len = len;
+			r->info.shared = true;
+			r->info.pid = pid;
+			r->info.tid = h->os_tid;
+			r->info.fence = h->fence;
+			r->info.elapsed_ms = coarse > h->since_ns
+						     ? (coarse - h->since_ns) /
+							       1000000
+						     : 0;
+			h = h->next;
+		} while (h != e->shared);
+	}
+	if ((w = e->q.head) != NULL)
+		do {
+			struct twaiter *tw = twaiter_of(w);
+			struct snap_row *r = &rows[(*n)++];
+
+			memset(r, 0, sizeof *r);
+			r->key_off = *bytes;
+			r->info.key_len = len;
+			r->info.waiting = true;
+			r->info.shared = tw->h != NULL;
+			r->info.pid = pid;
+			r->info.tid = tw->os_tid;
+			r->info.elapsed_ms = now > w->since_ns
+						     ? (now - w->since_ns) /
+							       1000000
+						     : 0;
+			r->info.position = pos++;
+			w = w->next;
+		} while (w != e->q.head);
+	*bytes += len + 1;
+}
+
+/* Copies the rows of shard s into *out (kl__free it; NULL when none),
+ * *nrows of them with their keys.  Lock taken here.  KL_OK or
+ * KL_ENOMEM. */
+static int
+snap_shard(struct shard *s, struct snap_row **out, size_t *nrows,
+	   int64_t pid)
+{
+	struct slot_copy sc[SLOTS];
+	struct kl__entry *slots;
+	struct snap_row *rows;
+	size_t n = 0, bytes = 0, nk = 0, kb = 0;
+	int64_t now, coarse;
+	char *keys;
+
+	*out = NULL;
+	*nrows = 0;
+	pthread_mutex_lock(&s->lock);
+	slots = atomic_load_explicit(&s->slots, memory_order_relaxed);
+	for (unsigned i = 0; slots != NULL && i < SLOTS; i++) {
+		slot_copy(slot_at(slots, i), &sc[i]);
+		if (sc[i].st & E_USED)
+			snap_count(slot_at(slots, i), sc[i].st, sc[i].len, &n,
+				   &bytes);
+	}
+	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
+		for (struct kl__entry *e = s->buckets[b]; e != NULL;
+		     e = e->next)
+			snap_count(e, state_of(e, memory_order_relaxed),
+				   e->len, &n, &bytes);
+	if (n == 0) {
+		pthread_mutex_unlock(&s->lock);
+		return KL_OK;
+	}
+	/* Under the lock: its entries must be read at one moment with
+	 * the counts above. */
+	if (n > (SIZE_MAX - bytes) / sizeof *rows ||
+	    (rows = kl__malloc(n * sizeof *rows + bytes)) == NULL) {
+		pthread_mutex_unlock(&s->lock);
+		return KL_ENOMEM;
+	}
+	keys = (char *)(rows + n);
+	now = kl__now_ns();
+	coarse = kl__coarse_now_ns();
+	for (unsigned i = 0; slots != NULL && i < SLOTS; i++)
+		if (sc[i].st & E_USED)
+			snap_fill(slot_at(slots, i), sc[i].st, sc[i].key,
+				  sc[i].len, rows, &nk, keys, &kb, pid, now,
+				  coarse);
+	for (size_t b = 0; s->buckets != NULL && b <= s->mask; b++)
+		for (struct kl__entry *e = s->buckets[b]; e != NULL;
+		     e = e->next)
+			snap_fill(e, state_of(e, memory_order_relaxed), e->key,
+				  e->len, rows, &nk, keys, &kb, pid, now,
+				  coarse);
+	pthread_mutex_unlock(&s->lock);
+	KL_ASSERT(nk == n && kb == bytes);
+	for (size_t i = 0; i < n; i++)
+		rows[i].info.key = keys + rows[i].key_off;
+	*out = rows;
+	*nrows = n;
+	return KL_OK;
+}
+
+int
+kl__table_snapshot(struct kl__table *t, kl_snapshot_fn fn, void *arg)
+{
+	int64_t pid = (int64_t)getpid();
+
+	for (int i = 0; i < NSHARDS; i++) {
+		struct snap_row *rows;
+		size_t n;
+		int rc, stop = 0;
+
+		if ((rc = snap_shard(&t->shards[i], &rows, &n, pid)) != KL_OK)
+			return rc;
+		for (size_t j = 0; j < n && stop == 0; j++)
+			stop = fn(&rows[j].info, arg);
+		kl__free(rows);
+		if (stop != 0)
+			break;
+	}
+	return KL_OK;
 }

@@ -13,12 +13,38 @@
 
 struct kl__table;
 
+struct kl__entry;
+
+/* A holder of a key taken KL_SHARED (kl__table_acquire_shared).  The
+ * caller owns the memory; the table fills it and links it into the key's
+ * entry for as long as the key is held, under the shard lock, so that the
+ * identities of every shared holder can be read there (errorcheck,
+ * snapshots, deadlock detection). */
+struct kl__holder {
+	struct kl__holder *next, *prev; /* the entry's ring, shard lock */
+	struct kl__entry *entry;
+	uint64_t tid;     /* kl__thread_id() of the holder */
+	int64_t os_tid;   /* its gettid() */
+	uint64_t fence;   /* of this grant */
+	int64_t since_ns; /* when granted (coarse clock) */
+	kl_lock *lock;    /* for the holder's use, as kl__entry_lock */
+};
+
 /* Only the table's files touch an entry's fields but key, state and lock;
  * they are here so that the accessors below are inlined.
  * 56 bytes and the key: with a key of up to 15 bytes an entry is one
  * 80-byte malloc chunk, the lease of kl_lock_acquire included (see
  * kl__entry_lock).  A slot entry (see table_acquire.c) has the same
- * layout. */
+ * layout.
+ *
+ * Modes: a key is held exclusively (E_HELD, owner_tid its holder, lock
+ * its holder's), or shared (E_HELD and E_SOLO or E_SHARED or both): by a
+ * lone holder that took the free key without the lock (E_SOLO, named by
+ * owner_tid), and by the ring of holder records in shared (E_SHARED), in
+ * lock's place (a shared holder's lease is never in the entry).  Only
+ * the E_SOLO holder takes or gives back a shared key without the lock, and
+ * only while it is alone: whoever joins it marks the word E_WAITERS first,
+ * so that the word changes under the lock only from then on. */
 struct kl__entry {
 	struct kl__entry *next; /* bucket chain */
 	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
@@ -27,11 +53,17 @@ struct kl__entry {
 	/* E_* flags (below), and the fence from KL__ENTRY_FENCE_SHIFT */
 	atomic_uint_least64_t state;
 	atomic_uint_least64_t owner_tid; /* kl__thread_id() of the holder */
-	kl_lock *lock; /* for the holder's use: see kl__entry_lock */
-	char key[];    /* len bytes and a NUL */
+	union {
+		/* Held exclusively: for the holder's use (kl__entry_lock). */
+		kl_lock *lock;
+		/* Held shared (E_SHARED): its holders, a ring, the oldest
+		 * first.  Shard lock. */
+		struct kl__holder *shared;
+	};
+	char key[]; /* len bytes and a NUL */
 };
 
-#define KL__ENTRY_FENCE_SHIFT 6
+#define KL__ENTRY_FENCE_SHIFT 8
 
 #define KL__TABLE_SHARDS 64
 /* Slot entries of a shard: a key of up to 15 bytes lives in the slot its
@@ -63,7 +95,8 @@ KL_HIDDEN int kl__table_new(struct kl__table **out);
 KL_HIDDEN struct kl__table *kl__table_shared(void);
 /* No entry may be live. */
 KL_HIDDEN void kl__table_free(struct kl__table *t);
-/* Acquires key for the caller, waiting in FIFO order until deadline_ns
+/* Acquires key for the caller exclusively (flags' KL_SHARED is ignored:
+ * see kl__table_acquire_shared), waiting in FIFO order until deadline_ns
  * (KL_NO_DEADLINE: forever; a deadline in the past: try once) or c fires.
  * KL_OK with *out (the entry, to pass to release) and *fence (grows with
  * every grant of the key while the entry lives, and across entries: it is
@@ -73,6 +106,32 @@ KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
 				size_t len, int64_t deadline_ns, kl_cancel *c,
 				unsigned flags, struct kl__entry **out,
 				uint64_t *fence);
+/* kl__table_acquire for a shared holder h (memory of the caller's, valid
+ * until kl__table_release_shared(t, h) has returned): the key is granted
+ * when nobody holds it exclusively and nobody waits before (W3C Web Locks'
+ * rule; see table_acquire.c).  Same statuses; KL_EDEADLK with
+ * KL_ERRORCHECK when this thread holds the key in either mode. */
+KL_HIDDEN int kl__table_acquire_shared(struct kl__table *t, const char *key,
+				       size_t len, int64_t deadline_ns,
+				       kl_cancel *c, unsigned flags,
+				       struct kl__holder *h, uint64_t *fence);
+KL_HIDDEN void kl__table_release_shared(struct kl__table *t,
+					struct kl__holder *h);
+/* The shared take without the lock: a key of up to 15 bytes that nobody
+ * holds or waits for is taken shared by the caller alone (E_SOLO), the
+ * entry standing for its holder, as an exclusive take does.  False when
+ * that does not do: kl__table_acquire_shared then.  Given back with
+ * kl__table_release_solo. */
+KL_HIDDEN bool kl__table_acquire_solo(struct kl__table *t, const char *key,
+				      size_t len, struct kl__entry **out,
+				      uint64_t *fence);
+KL_HIDDEN void kl__table_release_solo(struct kl__table *t,
+				      struct kl__entry *e);
+/* Calls fn once per holder and waiter of every key, as
+ * kl_provider_snapshot says, with no lock held: each shard's entries are
+ * copied under its lock first.  KL_OK or KL_ENOMEM. */
+KL_HIDDEN int kl__table_snapshot(struct kl__table *t, kl_snapshot_fn fn,
+				 void *arg);
 /* The entry of a held key, for its holder: the key (NUL-terminated), the
  * holder's fence, and a word the holder may use as it likes until it
  * releases (lock.c keeps the lease of kl_lock_acquire there, so that a held
@@ -114,7 +173,7 @@ KL_HIDDEN void kl__table_stats(struct kl__table *t,
  * tests that fill one shard, slot or bucket). */
 KL_HIDDEN uint32_t kl__table_hash(const struct kl__table *t, const char *key,
 				  size_t len);
-/* Holders (0 or 1) and waiters of key. */
+/* Holders (0, 1 or, held shared, every one) and waiters of key. */
 KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
 			       size_t len, size_t *holders, size_t *waiters);
 /* Waiters queued on key (0 when the key has no entry). */
@@ -169,7 +228,9 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
 #define E_USED 8u    /* slot: has a key */
 #define E_CHAIN 16u  /* slot: a chained key may have its index */
 #define E_BUSY 32u   /* slot: a stealer is writing its key */
-#define E_FLAGS 63u
+#define E_SHARED 64u /* held shared, the ring valid: see struct kl__entry */
+#define E_SOLO 128u  /* held shared by the entry's own holder (owner_tid) */
+#define E_FLAGS 255u
 #define FENCE_SHIFT KL__ENTRY_FENCE_SHIFT
 #define FENCE_ONE ((uint64_t)1 << FENCE_SHIFT)
 
@@ -426,6 +487,57 @@ slot_read(struct kl__entry *e, uint32_t h, size_t len, const uint64_t w[2],
 	 * thing between them. */
 	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
 	return has;
+}
+
+/* ------------------------------------------------------------------ */
+/* Waiters: every waiter of a key is one of these, on its thread's stack. */
+
+struct twaiter {
+	struct kl__waiter w;
+	struct kl__holder *h; /* NULL: wants the key exclusively */
+	int64_t os_tid;       /* gettid() of the waiting thread */
+};
+
+static inline struct twaiter *
+twaiter_of(struct kl__waiter *w)
+{
+	return (struct twaiter *)(void *)((char *)w -
+					  offsetof(struct twaiter, w));
+}
+
+/* The shared holders of e, found in word st: the ring, or NULL when the
+ * key is held exclusively or free.  Lock held. */
+static inline struct kl__holder *
+shared_of(const struct kl__entry *e, uint64_t st)
+{
+	return (st & (E_HELD | E_SHARED)) == (E_HELD | E_SHARED) ? e->shared
+								 : NULL;
+}
+
+/* Whether word st says its key is held shared. */
+static inline bool
+held_shared(uint64_t st)
+{
+	return (st & E_HELD) && (st & (E_SHARED | E_SOLO));
+}
+
+/* Holders of e, found in word st.  Lock held. */
+static inline size_t
+holder_count(const struct kl__entry *e, uint64_t st)
+{
+	const struct kl__holder *h = shared_of(e, st);
+	size_t n = (st & E_SOLO) ? 1 : 0;
+
+	if (!(st & E_HELD))
+		return 0;
+	if (!held_shared(st))
+		return 1;
+	if (h != NULL)
+		do {
+			n++;
+			h = h->next;
+		} while (h != e->shared);
+	return n;
 }
 
 /* ------------------------------------------------------------------ */

@@ -56,17 +56,21 @@
  */
 #include "config.h"
 
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #define KL__TABLE_PRIVATE
 #include "table.h"
 
 /* Gives the caller slot e, which it found idle in state st holding the
- * caller's key.  False when the word changed meanwhile.  The acquire pairs
- * with the release that left the slot idle. */
-static inline bool
-slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
-	  uint64_t *fence)
+ * caller's key, exclusively (mode 0) or as its lone shared holder (mode
+ * E_SOLO: see Modes below).  False when the word changed meanwhile.  The
+ * acquire pairs with the release that left the slot idle. */
+static inline __attribute__((always_inline)) bool
+slot_take(struct kl__entry *e, uint64_t st, uint64_t mode,
+	  struct kl__entry **out, uint64_t *fence)
 {
-	uint64_t held = (st + FENCE_ONE) | E_HELD;
+	uint64_t held = (st + FENCE_ONE) | E_HELD | mode;
 
 	KL_ASSERT((st & (E_SLOT | E_USED | E_HELD | E_BUSY)) ==
 		  (E_SLOT | E_USED));
@@ -77,7 +81,10 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
 	KL_ANNOTATE_HAPPENS_AFTER(&e->state);
 	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
 			      memory_order_relaxed);
-	e->lock = NULL;
+	/* A lone shared holder leaves the word alone: a reader joining it
+	 * under the lock may already keep its ring there. */
+	if (mode == 0)
+		e->lock = NULL;
 	*out = e;
 	*fence = fence_of(held);
 	return true;
@@ -89,8 +96,8 @@ slot_take(struct kl__entry *e, uint64_t st, struct kl__entry **out,
  * caller searched the chains for the key. */
 static bool
 slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
-	   size_t len, const uint64_t w[2], struct kl__entry **out,
-	   uint64_t *fence)
+	   size_t len, const uint64_t w[2], uint64_t mode,
+	   struct kl__entry **out, uint64_t *fence)
 {
 	uint64_t f = fence_of(st), *k = slot_words(e), busy;
 	unsigned i = kl__table_slot_of(h);
@@ -105,7 +112,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 
 	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
-	       E_SLOT | E_USED | E_HELD | E_BUSY;
+	       E_SLOT | E_USED | E_HELD | E_BUSY | mode;
 
 	if (!atomic_compare_exchange_strong_explicit(&e->state, &st, busy,
 						     memory_order_acquire,
@@ -172,7 +179,7 @@ slots_of(struct shard *s)
  * when that does not do: the caller takes the lock. */
 static inline __attribute__((always_inline)) bool
 fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
-	     struct kl__entry **out, uint64_t *fence)
+	     uint64_t mode, struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *slots =
 		atomic_load_explicit(&s->slots, memory_order_acquire);
@@ -192,12 +199,12 @@ fast_acquire(struct shard *s, uint32_t h, const char *key, size_t len,
 	 * was being replaced, the compare-and-swap below fails. */
 	atomic_thread_fence(memory_order_acquire);
 	if (mine)
-		return slot_take(e, st, out, fence);
+		return slot_take(e, st, mode, out, fence);
 	if (st & E_CHAIN)
 		return false;
 	/* Unmarked: no chained key has this slot's index, so the key can
 	 * be in the slot only, and the slot's floor is read unlocked. */
-	return slot_claim(s, e, st, h, len, w, out, fence);
+	return slot_claim(s, e, st, h, len, w, mode, out, fence);
 }
 
 /* ------------------------------------------------------------------ */
@@ -357,7 +364,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 				*out = e;
 				return KEY_HELD;
 			}
-			if (slot_take(e, *st, out, fence))
+			if (slot_take(e, *st, 0, out, fence))
 				return KL_OK;
 			continue; /* taken or stolen meanwhile */
 		}
@@ -369,7 +376,7 @@ take_locked(struct shard *s, uint32_t h, const char *key, size_t len,
 		if (!(*st & E_HELD)) {
 			/* The chains were searched: E_CHAIN does not stop
 			 * the lock's holder. */
-			if (slot_claim(s, e, *st, h, len, w, out, fence))
+			if (slot_claim(s, e, *st, h, len, w, 0, out, fence))
 				return KL_OK;
 			continue;
 		}
@@ -407,49 +414,356 @@ mark_waiting(struct kl__entry *e, uint64_t st)
 	return st == want; /* another waiter marked it: the same holder */
 }
 
-/* Whether a caller that finds e held must fail rather than wait: KL_EDEADLK,
- * KL_ETIMEDOUT, or KL_OK to wait.  Lock held. */
-static int
-refusal(struct kl__entry *e, int64_t deadline_ns, unsigned flags)
+/* ------------------------------------------------------------------ */
+/* Modes
+ *
+ * One FIFO queue per key holds both modes (W3C Web Locks).  A request is
+ * grantable when it is first in the queue (or the queue is empty) and,
+ * exclusive: nobody holds the key; shared: nobody holds it exclusively.
+ * Whenever the key is given back or a waiter leaves its queue (timeout,
+ * cancel), the queue is granted from its head while the head's request is
+ * grantable (pass_on): a run of shared requests at the head is granted
+ * together, and the next exclusive one stops it.  So a shared newcomer
+ * never passes a queued exclusive request, even while readers hold the
+ * key, and a queued request never waits on a key it could have: with the
+ * key held shared, the head of its queue (when one waits) wants it
+ * exclusively.
+ *
+ * Shared requests always take the shard lock, never the lock-free path of
+ * the slots: a shared holder must be linked in its entry where the lock's
+ * holder can read it (errorcheck, status, snapshots, deadlock detection),
+ * and a lock-free shared take would need a second word to count its
+ * holders.  Exclusive requests keep their lock-free path unchanged: a
+ * slot held shared is held (E_HELD), so a lock-free taker leaves it to the
+ * lock, and no shared holder ever releases by compare-and-swap.
+ */
+
+/* gettid() of the calling thread, for snapshots: asked once per thread
+ * (forgotten in a child of fork, whose thread has a new one). */
+static KL_TLS int64_t os_tid_cached;
+static pthread_once_t os_tid_once = PTHREAD_ONCE_INIT;
+
+static void
+os_tid_forget(void)
 {
-	if ((flags & KL_ERRORCHECK) &&
-	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) ==
-		    kl__thread_id())
-		return KL_EDEADLK;
-	if (deadline_ns != KL_NO_DEADLINE && kl__now_ns() >= deadline_ns)
-		return KL_ETIMEDOUT;
-	return KL_OK;
+	os_tid_cached = 0;
 }
 
-/* Takes key, or waits for it as w (prepared).  Lock held on entry,
- * released on return. */
+static void
+os_tid_init(void)
+{
+	(void)pthread_atfork(NULL, NULL, os_tid_forget);
+}
+
+static int64_t
+os_tid(void)
+{
+	if (os_tid_cached == 0) {
+		pthread_once(&os_tid_once, os_tid_init);
+#ifdef SYS_gettid
+		os_tid_cached = (int64_t)syscall(SYS_gettid);
+#endif
+	}
+	return os_tid_cached;
+}
+
+/* Links h into the shared holders of e (shared NULL first when e was not
+ * held shared), granted with fence f to thread tid.  Lock held. */
+static void
+holder_link(struct kl__entry *e, struct kl__holder *h, uint64_t tid,
+	    int64_t ostid, uint64_t f)
+{
+	h->entry = e;
+	h->tid = tid;
+	h->os_tid = ostid;
+	h->fence = f;
+	h->since_ns = kl__coarse_now_ns();
+	h->lock = NULL;
+	if (e->shared == NULL) {
+		h->next = h->prev = h;
+		e->shared = h;
+	} else {
+		h->next = e->shared;
+		h->prev = e->shared->prev;
+		h->prev->next = h;
+		e->shared->prev = h;
+	}
+}
+
+static void
+holder_unlink(struct kl__entry *e, struct kl__holder *h)
+{
+	if (h->next == h) {
+		e->shared = NULL;
+	} else {
+		h->prev->next = h->next;
+		h->next->prev = h->prev;
+		if (e->shared == h)
+			e->shared = h->next;
+	}
+	h->next = h->prev = NULL;
+}
+
+/* Wake-ups of granted waiters, made after the lock is dropped where the
+ * caller can; past WAKES of them, at once (a futex wake under the lock
+ * only costs the time it takes). */
+#define WAKES 8
+
+struct wakes {
+	void *w[WAKES];
+	int n;
+};
+
+static void
+wakes_add(struct wakes *k, void *wake)
+{
+	if (wake == NULL)
+		return;
+	if (k->n == WAKES)
+		kl__unpark(wake);
+	else
+		k->w[k->n++] = wake;
+}
+
+static void
+wakes_run(struct wakes *k)
+{
+	for (int i = 0; i < k->n; i++)
+		kl__unpark(k->w[i]);
+	k->n = 0;
+}
+
+/* Grants e's queue from its head while the head's request is grantable
+ * (see Modes above), e being in word st, the key free (shared false and
+ * no holder) or held shared (shared true).  *f is the fence of the latest
+ * grant, and gets that of the last one made here.  Returns how many were
+ * granted; *held says whether the key is held after, and *granted lists
+ * the granted waiters (through next, out of the queue now), for
+ * settle_all once the caller has written the word (held_word, with the
+ * ring in e->shared, valid after this call): a granted holder may read its
+ * fence from the word as soon as it is settled.  Lock held. */
+static unsigned
+pass_on(struct kl__entry *e, uint64_t st, uint64_t *f, bool shared,
+	bool *held, struct kl__waiter **granted)
+{
+	struct kl__waiter *w, **tail = granted;
+	unsigned n = 0;
+
+	*held = shared;
+	*granted = NULL;
+	if (!(st & E_SHARED))
+		e->shared = NULL; /* lock's place: see struct kl__entry */
+	while ((w = kl__waitq_live_head(&e->q)) != NULL) {
+		struct twaiter *tw = twaiter_of(w);
+
+		if (tw->h == NULL && *held)
+			break;
+		kl__waitq_grant(&e->q, w);
+		w->data = ++*f;
+		*tail = w;
+		tail = &w->next;
+		n++;
+		*held = true;
+		if (tw->h == NULL) {
+			atomic_store_explicit(&e->owner_tid, w->tid,
+					      memory_order_relaxed);
+			break;
+		}
+		/* owner_tid names the lone holder (E_SOLO) if there is
+		 * one, else nobody. */
+		if (!(st & E_SOLO))
+			atomic_store_explicit(&e->owner_tid, 0,
+					      memory_order_relaxed);
+		holder_link(e, tw->h, w->tid, tw->os_tid, *f);
+	}
+	return n;
+}
+
+/* Publishes their grant to the waiters pass_on listed.  Lock held. */
+static void
+settle_all(struct kl__waiter *granted, struct wakes *k)
+{
+	while (granted != NULL) {
+		struct kl__waiter *w = granted;
+
+		/* Read first: once settled, w may be gone. */
+		granted = w->next;
+		w->next = NULL;
+		wakes_add(k, kl__waiter_settle(w));
+	}
+}
+
+/* The word of held entry e with fence f, from st, its word before (its
+ * E_SOLO kept), once e->shared is valid (pass_on): E_SHARED when the ring
+ * is not empty, E_WAITERS while anyone waits or a lone holder (E_SOLO)
+ * has others beside it, so that it gives the key back through the lock.
+ * Lock held. */
+static uint64_t
+held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
+{
+	bool ring = e->shared != NULL;
+
+	return (f << FENCE_SHIFT) |
+	       (st & (E_SLOT | E_USED | E_CHAIN | E_SOLO)) | E_HELD |
+	       (ring ? E_SHARED : 0) |
+	       (e->q.len != 0 || ((st & E_SOLO) && ring) ? E_WAITERS : 0);
+}
+
+static struct kl__entry *
+entry_of_queue(struct kl__waitq *q)
+{
+	return (struct kl__entry *)(void *)((char *)q -
+					    offsetof(struct kl__entry, q));
+}
+
+/* A waiter left q by its timeout or its cancel token (kl__waiter.left):
+ * with the key held shared, the shared requests behind it may be
+ * grantable now.  Held exclusively, nothing is.  Lock held; the key is
+ * held (a waiter only queues on a held key, marked E_WAITERS, so the word
+ * stands still), so the entry stays. */
+static void
+waiter_left(struct kl__waitq *q)
+{
+	struct kl__entry *e = entry_of_queue(q);
+	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
+	uint64_t st = state_of(e, memory_order_relaxed), f = fence_of(st);
+	bool held;
+
+	if (!held_shared(st))
+		return;
+	if (pass_on(e, st, &f, true, &held, &granted) != 0)
+		atomic_store_explicit(&e->state, held_word(e, st, f),
+				      memory_order_relaxed);
+	settle_all(granted, &k);
+	/* Called inside the wait queue's own code, with the lock held
+	 * until it returns. */
+	wakes_run(&k);
+}
+
+/* Whether tid holds e, in either mode.  Lock held. */
+static bool
+holds(struct kl__entry *e, uint64_t tid)
+{
+	uint64_t st = state_of(e, memory_order_relaxed);
+	const struct kl__holder *h = shared_of(e, st);
+
+	if ((h == NULL || (st & E_SOLO)) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == tid)
+		return true;
+	if (h != NULL)
+		do {
+			if (h->tid == tid)
+				return true;
+			h = h->next;
+		} while (h != e->shared);
+	return false;
+}
+
+/* share_now's outcome when the word changed under it: look again. */
+#define KEY_MOVED 2
+
+/* A shared request that finds e held in word *st: grants the key at once
+ * when it is held shared and nobody waits (after granting those at the
+ * head that can be: a waiter whose expiry came but that has not woken
+ * yet may have stood before them).  KL_OK with *fence, KEY_HELD to wait,
+ * KEY_MOVED when a lone holder gave the key back meanwhile.  Lock held. */
+static int
+share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
+	  uint64_t *fence)
+{
+	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
+	uint64_t f;
+	bool held;
+	int rc = KEY_HELD;
+
+	if (!held_shared(*st))
+		return KEY_HELD; /* held exclusively */
+	/* A lone holder (E_SOLO) gives the key back by compare-and-swap
+	 * unless marked: marked, the word stands still under the lock. */
+	if (!(*st & E_WAITERS)) {
+		if (!mark_waiting(e, *st))
+			return KEY_MOVED;
+		*st |= E_WAITERS;
+	}
+	f = fence_of(*st);
+	(void)pass_on(e, *st, &f, true, &held, &granted);
+	if (e->q.len == 0) {
+		holder_link(e, tw->h, tw->w.tid, tw->os_tid, ++f);
+		*fence = f;
+		rc = KL_OK;
+	}
+	*st = held_word(e, *st, f);
+	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	settle_all(granted, &k);
+	wakes_run(&k);
+	return rc;
+}
+
+/* Takes key, or waits for it as tw (prepared; tw->h set for a shared
+ * request).  Lock held on entry, released on return. */
 static int
 take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
-	     struct kl__waiter *w, int64_t deadline_ns, unsigned flags,
+	     struct twaiter *tw, int64_t deadline_ns, unsigned flags,
 	     struct kl__entry **out, uint64_t *fence)
 {
 	struct kl__entry *e = NULL;
 	uint64_t st = 0;
 	int rc;
 
+	tw->w.left = waiter_left;
 	for (;;) {
 		rc = take_locked(s, h, key, len, &e, &st, fence);
 		if (rc != KEY_HELD) {
-			if (rc == KL_OK)
+			if (rc == KL_OK) {
 				*out = e;
+				if (tw->h != NULL) {
+					/* Taken as if exclusively, under
+					 * the lock: nobody else changes
+					 * the word now. */
+					atomic_store_explicit(
+						&e->owner_tid, 0,
+						memory_order_relaxed);
+					e->shared = NULL;
+					holder_link(e, tw->h, tw->w.tid,
+						    tw->os_tid, *fence);
+					st = state_of(e, memory_order_relaxed);
+					atomic_store_explicit(
+						&e->state,
+						held_word(e, st, *fence),
+						memory_order_relaxed);
+				}
+			}
 			break;
 		}
-		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
+		if ((flags & KL_ERRORCHECK) && holds(e, tw->w.tid)) {
+			rc = KL_EDEADLK;
 			break;
+		}
+		if (tw->h != NULL) {
+			rc = share_now(e, tw, &st, fence);
+			if (rc == KL_OK) {
+				*out = e;
+				break;
+			}
+			if (rc == KEY_MOVED)
+				continue;
+		}
+		if (deadline_ns != KL_NO_DEADLINE &&
+		    kl__now_ns() >= deadline_ns) {
+			rc = KL_ETIMEDOUT;
+			break;
+		}
 		if (mark_waiting(e, st)) {
 			/* Waiters queue only on a held key, marked, so its
 			 * holder releases through the lock and hands over. */
 			KL_ASSERT(st & E_HELD);
-			rc = kl__waitq_wait(&e->q, w, deadline_ns,
+			rc = kl__waitq_wait(&e->q, &tw->w, deadline_ns,
 					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
 			if (rc == KL_OK) {
 				*out = e;
-				*fence = w->data;
+				*fence = tw->w.data;
 			}
 			return rc;
 		}
@@ -466,39 +780,46 @@ acquire_held(struct shard *s, uint32_t h, const char *key, size_t len,
 	     int64_t deadline_ns, unsigned flags, struct kl__entry **out,
 	     uint64_t *fence)
 {
-	struct kl__waiter w;
+	struct twaiter tw;
 	int rc;
 
-	kl__waiter_prepare(&w, &s->lock, NULL);
-	rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out, fence);
-	kl__waiter_finish(&w);
+	kl__waiter_prepare(&tw.w, &s->lock, NULL);
+	tw.h = NULL;
+	tw.os_tid = os_tid();
+	rc = take_or_wait(s, h, key, len, &tw, deadline_ns, flags, out,
+			  fence);
+	kl__waiter_finish(&tw.w);
 	return rc;
 }
 
-/* kl__table_acquire with a cancel token. */
+/* kl__table_acquire with a cancel token, and every shared request (holder
+ * set). */
 static __attribute__((noinline)) int
-acquire_cancellable(struct shard *s, uint32_t h, const char *key, size_t len,
-		    int64_t deadline_ns, kl_cancel *c, unsigned flags,
-		    struct kl__entry **out, uint64_t *fence)
+acquire_locked(struct shard *s, uint32_t h, const char *key, size_t len,
+	       int64_t deadline_ns, kl_cancel *c, unsigned flags,
+	       struct kl__holder *holder, struct kl__entry **out,
+	       uint64_t *fence)
 {
-	struct kl__waiter w;
+	struct twaiter tw;
 	int rc;
 
 	/* The token's lock comes before the shard's. */
-	if ((rc = kl__waiter_prepare(&w, &s->lock, c)) != KL_OK)
+	if ((rc = kl__waiter_prepare(&tw.w, &s->lock, c)) != KL_OK)
 		return rc;
+	tw.h = holder;
+	tw.os_tid = os_tid();
 	pthread_mutex_lock(&s->lock);
-	if (w.state == KL_W_DONE) {
+	if (tw.w.state == KL_W_DONE) {
 		/* A fire between registering and here settled the waiter
 		 * already: once kl_cancel_fire has returned, nothing may be
 		 * granted to it. */
-		rc = w.status;
+		rc = tw.w.status;
 		pthread_mutex_unlock(&s->lock);
 	} else {
-		rc = take_or_wait(s, h, key, len, &w, deadline_ns, flags, out,
+		rc = take_or_wait(s, h, key, len, &tw, deadline_ns, flags, out,
 				  fence);
 	}
-	kl__waiter_finish(&w);
+	kl__waiter_finish(&tw.w);
 	return rc;
 }
 
@@ -516,9 +837,9 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	*out = NULL;
 	*fence = 0;
 	if (c != NULL)
-		return acquire_cancellable(s, h, key, len, deadline_ns, c,
-					   flags, out, fence);
-	if (len < INLINE_KEY && fast_acquire(s, h, key, len, out, fence))
+		return acquire_locked(s, h, key, len, deadline_ns, c, flags,
+				      NULL, out, fence);
+	if (len < INLINE_KEY && fast_acquire(s, h, key, len, 0, out, fence))
 		return KL_OK;
 	pthread_mutex_lock(&s->lock);
 	rc = take_locked(s, h, key, len, &e, &st, fence);
@@ -531,40 +852,67 @@ kl__table_acquire(struct kl__table *t, const char *key, size_t len,
 	return rc;
 }
 
-/* kl__table_release when the compare-and-swap cannot do: waiters marked,
- * or a chained entry. */
-static __attribute__((noinline)) void
-release_locked(struct shard *s, struct kl__entry *e)
+int
+kl__table_acquire_shared(struct kl__table *t, const char *key, size_t len,
+			 int64_t deadline_ns, kl_cancel *c, unsigned flags,
+			 struct kl__holder *holder, uint64_t *fence)
 {
-	struct kl__waiter *w;
-	void *wake = NULL, *prod = NULL;
+	uint32_t h = hash_of(t, key, len);
+	struct kl__entry *e = NULL;
+
+	*fence = 0;
+	return acquire_locked(shard_of(t, h), h, key, len, deadline_ns, c,
+			      flags, holder, &e, fence);
+}
+
+/* kl__table_release (and kl__table_release_solo, solo true) when the
+ * compare-and-swap cannot do (waiters marked, a chained entry), and every
+ * release of a shared holder's record (h): the key passes on to whom its
+ * queue's head makes grantable, or is left idle or freed. */
+static __attribute__((noinline)) void
+release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
+	       bool solo)
+{
+	struct wakes k = { .n = 0 };
+	struct kl__waiter *granted;
+	void *prod = NULL;
 	uint64_t st, f;
+	bool held = false;
 
 	pthread_mutex_lock(&s->lock);
 	/* Only this lock's holder changes a held word now (a lock-free
-	 * taker needs it free, and the caller is the holder), so plain
-	 * stores do. */
+	 * taker needs it free, the caller is a holder, and a lone shared
+	 * holder beside others was marked E_WAITERS), so plain stores do. */
 	st = state_of(e, memory_order_relaxed);
 	KL_ASSERT((st & (E_HELD | E_BUSY)) == E_HELD);
+	KL_ASSERT(h == NULL || ((st & E_SHARED) && h->entry == e));
+	KL_ASSERT(!solo || (st & E_SOLO));
+	KL_ASSERT(solo || h != NULL || !held_shared(st));
 	f = fence_of(st);
-	if ((w = kl__waitq_grant_head(&e->q)) != NULL) {
-		atomic_store_explicit(&e->owner_tid, w->tid,
+	if (solo) {
+		st &= ~(uint64_t)E_SOLO;
+		held = (st & E_SHARED) != 0;
+	} else if (h != NULL) {
+		holder_unlink(e, h);
+		held = e->shared != NULL || (st & E_SOLO);
+	}
+	if (pass_on(e, st, &f, held, &held, &granted) != 0) {
+		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_relaxed);
-		w->data = f + 1;
-		atomic_store_explicit(
-			&e->state,
-			((f + 1) << FENCE_SHIFT) |
-				(st & (E_SLOT | E_USED | E_CHAIN)) | E_HELD |
-				(e->q.len != 0 ? E_WAITERS : 0),
-			memory_order_relaxed);
-		wake = kl__waiter_settle(w);
+		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
+		e = NULL;
+	} else if (held) {
+		/* Other shared holders remain. */
+		atomic_store_explicit(&e->state, held_word(e, st, f),
+				      memory_order_relaxed);
 		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
 		atomic_store_explicit(&e->state,
-				      st & ~(uint64_t)(E_HELD | E_WAITERS),
+				      st & ~(uint64_t)(E_HELD | E_WAITERS |
+						       E_SHARED | E_SOLO),
 				      memory_order_release);
 		e = NULL;
 	} else {
@@ -572,13 +920,15 @@ release_locked(struct shard *s, struct kl__entry *e)
 	}
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
-	kl__unpark(wake);
+	wakes_run(&k);
 	kl__unpark(prod);
 	kl__free(e);
 }
 
-void
-kl__table_release(struct kl__table *t, struct kl__entry *e)
+/* Gives back slot e, held by the caller (exclusively, or alone and shared:
+ * mode E_SOLO), by compare-and-swap while no mark asks for the lock. */
+static inline __attribute__((always_inline)) void
+release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
 {
 	uint64_t st = state_of(e, memory_order_relaxed);
 
@@ -595,12 +945,47 @@ kl__table_release(struct kl__table *t, struct kl__entry *e)
 	 * (E_CHAIN or E_WAITERS): look again. */
 	while ((st & (E_SLOT | E_WAITERS)) == E_SLOT)
 		if (atomic_compare_exchange_weak_explicit(
-			    &e->state, &st, st & ~(uint64_t)E_HELD,
+			    &e->state, &st, st & ~(uint64_t)(E_HELD | mode),
 			    memory_order_release, memory_order_relaxed))
 			return;
 	release_locked(shard_of(t, __atomic_load_n(&e->hash,
 						   __ATOMIC_RELAXED)),
-		       e);
+		       e, NULL, mode != 0);
+}
+
+void
+kl__table_release(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, 0);
+}
+
+bool
+kl__table_acquire_solo(struct kl__table *t, const char *key, size_t len,
+		       struct kl__entry **out, uint64_t *fence)
+{
+	uint32_t h = hash_of(t, key, len);
+
+	*out = NULL;
+	*fence = 0;
+	return len < INLINE_KEY &&
+	       fast_acquire(shard_of(t, h), h, key, len, E_SOLO, out, fence);
+}
+
+void
+kl__table_release_solo(struct kl__table *t, struct kl__entry *e)
+{
+	release_mode(t, e, E_SOLO);
+}
+
+void
+kl__table_release_shared(struct kl__table *t, struct kl__holder *h)
+{
+	struct kl__entry *e = h->entry;
+
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
+	release_locked(shard_of(t, __atomic_load_n(&e->hash,
+						   __ATOMIC_RELAXED)),
+		       e, h, false);
 }
 
 #ifdef KL_TEST_HOOKS

@@ -13,6 +13,70 @@
 #ifdef KL_TEST_HOOKS
 /* GCOVR_EXCL_START: invariant checks of the test build; their failure
  * branches run only on a broken invariant, and users never get them. */
+/* The modes of entry e, held or not in word st (read when it stood still):
+ * shared holders only on a held key, each linked both ways and naming e,
+ * with no exclusive holder beside them; and with the key held shared, no
+ * queued request that could have it (a shared one at the head).  Lock
+ * held. */
+static int
+check_modes(struct kl__entry *e, uint64_t st, const char *what)
+{
+	const struct kl__holder *h = shared_of(e, st);
+	size_t n = 0;
+
+	if ((st & (E_SHARED | E_SOLO)) && !(st & E_HELD)) {
+		kl__test_report("%s: shared but not held, state %#llx", what,
+				(unsigned long long)st);
+		return KL_EINVAL;
+	}
+	if ((st & E_SHARED) && h == NULL) {
+		kl__test_report("%s: a ring of nobody, state %#llx", what,
+				(unsigned long long)st);
+		return KL_EINVAL;
+	}
+	if ((st & E_SOLO) && !(st & E_SLOT)) {
+		kl__test_report("%s: a lone shared holder of a chained key",
+				what);
+		return KL_EINVAL;
+	}
+	if ((st & E_SOLO) && h != NULL && !(st & E_WAITERS)) {
+		kl__test_report("%s: a lone shared holder beside others, not "
+				"marked: state %#llx",
+				what, (unsigned long long)st);
+		return KL_EINVAL;
+	}
+	if (h != NULL && !(st & E_SOLO) &&
+	    atomic_load_explicit(&e->owner_tid, memory_order_relaxed) != 0) {
+		kl__test_report("%s: shared holders and an owner %llu", what,
+				(unsigned long long)atomic_load_explicit(
+					&e->owner_tid, memory_order_relaxed));
+		return KL_EINVAL;
+	}
+	if (h != NULL)
+		do {
+			if (++n > 1000000 || h->entry != e ||
+			    h->next == NULL || h->prev == NULL ||
+			    h->next->prev != h || h->prev->next != h ||
+			    h->tid == 0 || h->fence > fence_of(st) ||
+			    h->fence == 0) {
+				kl__test_report("%s: shared holder %zu badly "
+						"linked or named",
+						what, n);
+				return KL_EINVAL;
+			}
+			h = h->next;
+		} while (h != e->shared);
+	if (held_shared(st) && e->q.head != NULL &&
+	    twaiter_of(e->q.head)->h != NULL &&
+	    e->q.head->expire_ns > kl__now_ns()) {
+		kl__test_report("%s: held shared, and a shared request "
+				"waits at the head",
+				what);
+		return KL_EINVAL;
+	}
+	return KL_OK;
+}
+
 /* Chained entry e of shard i, found in bucket b.  Lock held. */
 static int
 check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
@@ -46,7 +110,7 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 		}
 	/* Only the lock's holder changes a chained entry's word. */
 	st = state_of(e, memory_order_relaxed);
-	if ((st & E_FLAGS & ~(uint64_t)E_WAITERS) != E_HELD ||
+	if ((st & E_FLAGS & ~(uint64_t)(E_WAITERS | E_SHARED)) != E_HELD ||
 	    fence_of(st) == 0) {
 		kl__test_report("shard %d: chained '%s' has state %#llx", i,
 				shown, (unsigned long long)st);
@@ -59,11 +123,15 @@ check_entry(struct kl__table *t, int i, size_t b, struct kl__entry *e)
 				(unsigned long long)st);
 		return KL_EINVAL;
 	}
-	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0) {
+	if (atomic_load_explicit(&e->owner_tid, memory_order_relaxed) == 0 &&
+	    shared_of(e, st) == NULL) {
 		kl__test_report("shard %d: entry '%s' has no holder", i,
 				shown);
 		return KL_EINVAL;
 	}
+	snprintf(what, sizeof what, "shard %d: entry '%s'", i, shown);
+	if (check_modes(e, st, what) != KL_OK)
+		return KL_EINVAL;
 	if (e->len < INLINE_KEY) {
 		struct kl__entry *slot;
 
@@ -113,7 +181,7 @@ check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 	    ((st & E_CHAIN) != 0) != (s->nchain[j] != 0)) {
 		bad = true;
 	} else if (!(st & E_USED)) {
-		bad = (st & (E_HELD | E_WAITERS)) || qlen != 0;
+		bad = (st & (E_HELD | E_WAITERS | E_SHARED)) || qlen != 0;
 	} else {
 		key_words(key, len < INLINE_KEY ? len : 0, w);
 		bad = len >= INLINE_KEY || w[0] != k[0] || w[1] != k[1] ||
@@ -132,6 +200,9 @@ check_slot(struct kl__table *t, int i, unsigned j, struct kl__entry *e)
 				(unsigned)s->nchain[j]);
 		return KL_EINVAL;
 	}
+	snprintf(what, sizeof what, "shard %d: slot %u", i, j);
+	if (check_modes(e, st, what) != KL_OK)
+		return KL_EINVAL;
 	snprintf(what, sizeof what, "shard %d: queue of slot %u", i, j);
 	return kl__waitq_check(&e->q, &s->lock, what);
 }

@@ -290,9 +290,16 @@ static void
 cancel_fired(void *arg)
 {
 	struct kl__waiter *w = arg;
+	struct kl__waitq *q;
+	void (*left)(struct kl__waitq *q);
 
 	pthread_mutex_lock(w->lock);
+	/* Read before the fail: once settled, w may be gone. */
+	q = w->state == KL_W_WAITING ? w->q : NULL;
+	left = w->left;
 	kl__waiter_fail(w, KL_ECANCELED);
+	if (q != NULL && left != NULL)
+		left(q);
 	pthread_mutex_unlock(w->lock);
 }
 
@@ -313,6 +320,7 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->cancel = NULL;
 	w->tid = kl__thread_id();
 	w->data = 0;
+	w->left = NULL;
 	w->expire_ns = KL_NO_DEADLINE;
 	if (c != NULL) {
 		w->chook.fire = cancel_fired;
@@ -526,6 +534,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			w->status = expiry_status(w, now);
 			atomic_store_explicit(&w->word, W_SETTLED,
 					      memory_order_relaxed);
+			if (w->left != NULL)
+				w->left(w->q);
 		}
 		pthread_mutex_unlock(w->lock);
 	}
@@ -569,7 +579,7 @@ kl__waitq_prod(struct kl__waitq *q)
 }
 
 struct kl__waiter *
-kl__waitq_grant_head(struct kl__waitq *q)
+kl__waitq_live_head(struct kl__waitq *q)
 {
 	struct kl__waiter *w;
 	int64_t now = 0;
@@ -586,11 +596,27 @@ kl__waitq_grant_head(struct kl__waitq *q)
 				continue;
 			}
 		}
-		unlink_waiter(q, w);
-		w->state = KL_W_GRANTED;
 		return w;
 	}
 	return NULL;
+}
+
+void
+kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w)
+{
+	KL_ASSERT(w->state == KL_W_WAITING && w->q == q);
+	unlink_waiter(q, w);
+	w->state = KL_W_GRANTED;
+}
+
+struct kl__waiter *
+kl__waitq_grant_head(struct kl__waitq *q)
+{
+	struct kl__waiter *w = kl__waitq_live_head(q);
+
+	if (w != NULL)
+		kl__waitq_grant(q, w);
+	return w;
 }
 
 #ifdef KL_TEST_HOOKS

@@ -42,6 +42,8 @@ struct oom_ctx {
 	kl_provider *provider;
 	kl_registry *registry;
 	kl_lock *lock;
+	kl_lock *other; /* a second lock, with held and held2 its leases */
+	kl_lease *held, *held2;
 	/* Outputs of the armed run. */
 	kl_mutex *m;
 	kl_reset_event *e;
@@ -725,6 +727,167 @@ START_TEST(test_oom_lock_acquire_many)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ */
+/* KL_SHARED and snapshots on the memory provider                      */
+
+/* A private provider and a KL_SHARED lock without a key. */
+static void
+setup_shared_lock(struct oom_ctx *x)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+
+	ck_assert_int_eq(kl_memory_provider_new(&x->provider), KL_OK);
+	o.provider = x->provider;
+	o.flags = KL_SHARED;
+	ck_assert_int_eq(kl_lock_new(&x->lock, &o), KL_OK);
+}
+
+START_TEST(test_oom_shared_acquire)
+{
+	static const struct oom_scenario s = {
+		.name = "kl_lock_acquire KL_SHARED + kl_lease_release",
+		.setup = setup_shared_lock,
+		.run = run_lock_acquire,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+START_TEST(test_oom_shared_run_lease)
+{
+	static const struct oom_scenario s = {
+		.name = "kl_lock_run_lease KL_SHARED, a chained key",
+		.setup = setup_shared_lock,
+		.run = run_lock_run_lease,
+		.check_failed = check_provider_empty,
+		.teardown = teardown_lock,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+/* As setup_shared_lock, and another reader holds "gamma" and a long key
+ * (a slot entry and a chained one) before arming. */
+static void
+setup_shared_held(struct oom_ctx *x)
+{
+	kl_call call = { .key = "gamma", .cancel = NULL };
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	setup_shared_lock(x);
+	o.provider = x->provider;
+	o.flags = KL_SHARED;
+	ck_assert_int_eq(kl_lock_new(&x->other, &o), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(x->other, &call, &x->held, NULL),
+			 KL_OK);
+	call.key = "gamma: a key too long for a slot";
+	ck_assert_int_eq(kl_lock_acquire(x->other, &call, &x->held2, NULL),
+			 KL_OK);
+}
+
+static void
+teardown_shared_held(struct oom_ctx *x)
+{
+	kl_lease_release(x->held);
+	kl_lease_release(x->held2);
+	ck_assert_uint_eq(kl_memory_provider_size(x->provider), 0);
+	kl_lock_free(x->other);
+	teardown_lock(x);
+}
+
+static void
+check_one_reader(struct oom_ctx *x)
+{
+	size_t h = 0, w = 0;
+
+	ck_assert_int_eq(kl_provider_status(x->provider, "gamma", &h, &w,
+					    NULL),
+			 KL_OK);
+	ck_assert_uint_eq(h, 1);
+	ck_assert_uint_eq(w, 0);
+	ck_assert_int_eq(kl__test_check_invariants(x->provider), KL_OK);
+}
+
+/* A second reader of a key held shared. */
+static int
+run_shared_beside(struct oom_ctx *x)
+{
+	kl_call call = { .key = "gamma", .cancel = NULL };
+	size_t h = 0, w = 0;
+	int rc;
+
+	x->lease = SENTINEL;
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_lock_acquire(x->lock, &call, &x->lease, &x->err);
+	if (rc != KL_OK) {
+		ck_assert_ptr_null(x->lease);
+		ck_assert_int_eq(x->err.status, rc);
+		return rc;
+	}
+	ck_assert_int_eq(kl_provider_status(x->provider, "gamma", &h, &w,
+					    NULL),
+			 KL_OK);
+	ck_assert_uint_eq(h, 2);
+	kl_lease_release(x->lease);
+	x->lease = NULL;
+	check_one_reader(x);
+	return KL_OK;
+}
+
+START_TEST(test_oom_shared_beside)
+{
+	static const struct oom_scenario s = {
+		.name = "kl_lock_acquire KL_SHARED beside another reader",
+		.setup = setup_shared_held,
+		.run = run_shared_beside,
+		.check_failed = check_one_reader,
+		.teardown = teardown_shared_held,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
+static int
+count_rows(const kl_lock_info *info, void *arg)
+{
+	(void)info;
+	++*(int *)arg;
+	return 0;
+}
+
+static int
+run_snapshot(struct oom_ctx *x)
+{
+	int rows = 0, rc;
+
+	memset(&x->err, 0, sizeof x->err);
+	rc = kl_provider_snapshot(x->provider, count_rows, &rows, &x->err);
+	if (rc != KL_OK) {
+		ck_assert_int_eq(x->err.status, rc);
+		return rc;
+	}
+	ck_assert_int_eq(rows, 2);
+	return KL_OK;
+}
+
+START_TEST(test_oom_snapshot)
+{
+	static const struct oom_scenario s = {
+		.name = "kl_provider_snapshot of the memory provider",
+		.setup = setup_shared_held,
+		.run = run_snapshot,
+		.check_failed = check_one_reader,
+		.teardown = teardown_shared_held,
+	};
+
+	sweep(&s);
+}
+END_TEST
+
 START_TEST(test_hook_counts_allocations)
 {
 	kl_mutex *m;
@@ -779,6 +942,10 @@ oom_suite(void)
 	tcase_add_test(tc, test_oom_lock_run_lease_hooked);
 	tcase_add_test(tc, test_oom_lock_run_many);
 	tcase_add_test(tc, test_oom_lock_acquire_many);
+	tcase_add_test(tc, test_oom_shared_acquire);
+	tcase_add_test(tc, test_oom_shared_run_lease);
+	tcase_add_test(tc, test_oom_shared_beside);
+	tcase_add_test(tc, test_oom_snapshot);
 	suite_add_tcase(s, tc);
 	return s;
 }

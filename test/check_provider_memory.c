@@ -23,9 +23,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
-#include "internal.h" /* kl__test_alloc_bytes only */
+#include "internal.h" /* kl__test_alloc_bytes, kl__test_check_invariants */
 #include "keylock.h"
 #include "util.h"
 
@@ -704,6 +705,686 @@ START_TEST(test_user_provider_snapshot)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* KL_SHARED on the memory provider (W3C Web Locks' grantable rule)    */
+
+/* A thread that takes key on p in the mode of its lock, records the
+ * outcome, its fence, its gettid() and the order of its grant, holds the
+ * key until told, then releases it. */
+struct req {
+	pthread_t th;
+	kl_lock *l;
+	kl_cancel *cancel;
+	const char *key;
+	int rc;
+	uint64_t fence;
+	long seq;      /* grant order, from req_seq */
+	int64_t tid;   /* gettid() */
+	atomic_int st; /* 0 started, 1 holds, 2 finished */
+	atomic_bool go; /* release now */
+};
+
+static atomic_long req_seq;
+
+static void *
+req_main(void *arg)
+{
+	struct req *r = arg;
+	kl_call call = { .key = r->key, .cancel = r->cancel };
+	kl_lease *lease = NULL;
+
+	r->tid = (int64_t)syscall(SYS_gettid);
+	r->rc = kl_lock_acquire(r->l, &call, &lease, NULL);
+	if (r->rc == KL_OK) {
+		r->fence = kl_lease_fence(lease);
+		r->seq = atomic_fetch_add(&req_seq, 1);
+		atomic_store(&r->st, 1);
+		while (!atomic_load(&r->go))
+			test_sleep_ms(1);
+		kl_lease_release(lease);
+	}
+	atomic_store(&r->st, 2);
+	return NULL;
+}
+
+static kl_lock *
+mode_lock(kl_provider *p, unsigned flags, int64_t timeout_ms)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	o.provider = p;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	return l;
+}
+
+static void
+req_start(struct req *r, kl_lock *l, const char *key, kl_cancel *c)
+{
+	memset(r, 0, sizeof *r);
+	r->l = l;
+	r->key = key;
+	r->cancel = c;
+	r->seq = -1;
+	test_thread_start(&r->th, req_main, r);
+}
+
+static bool
+req_holds(void *arg)
+{
+	return atomic_load(&((struct req *)arg)->st) == 1;
+}
+
+static bool
+req_finished(void *arg)
+{
+	return atomic_load(&((struct req *)arg)->st) == 2;
+}
+
+static void
+req_end(struct req *r)
+{
+	atomic_store(&r->go, true);
+	test_poll(req_finished, r, "a request to finish");
+	test_thread_join(r->th);
+}
+
+struct qwait {
+	kl_provider *p;
+	const char *key;
+	size_t holders, waiters;
+};
+
+static bool
+status_is(void *arg)
+{
+	struct qwait *q = arg;
+	size_t h = 0, w = 0;
+
+	if (kl_provider_status(q->p, q->key, &h, &w, NULL) != KL_OK)
+		return false;
+	return h == q->holders && w == q->waiters;
+}
+
+/* Polls until key on p has exactly holders and waiters. */
+static void
+wait_status(kl_provider *p, const char *key, size_t holders, size_t waiters)
+{
+	struct qwait q = { p, key, holders, waiters };
+
+	test_poll(status_is, &q, "the key's holders and waiters");
+}
+
+static void
+assert_status(kl_provider *p, const char *key, size_t holders,
+	      size_t waiters)
+{
+	size_t h = 99, w = 99;
+
+	ck_assert_int_eq(kl_provider_status(p, key, &h, &w, NULL), KL_OK);
+	ck_assert_uint_eq(h, holders);
+	ck_assert_uint_eq(w, waiters);
+}
+
+/* Three threads hold one key shared at once, each with a fence of its
+ * own; the provider counts them all. */
+START_TEST(test_shared_holders_together)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh;
+	struct req r[3];
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	for (int i = 0; i < 3; i++)
+		req_start(&r[i], sh, "sh:k", NULL);
+	for (int i = 0; i < 3; i++)
+		test_poll(req_holds, &r[i], "every reader to hold the key");
+	assert_status(p, "sh:k", 3, 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 1);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	ck_assert_uint_ne(r[0].fence, r[1].fence);
+	ck_assert_uint_ne(r[1].fence, r[2].fence);
+	ck_assert_uint_ne(r[0].fence, r[2].fence);
+	for (int i = 0; i < 3; i++)
+		req_end(&r[i]);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(r[i].rc, KL_OK);
+	assert_status(p, "sh:k", 0, 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* An exclusive request waits for every shared holder, and gets a fence
+ * above theirs; a long (chained) key and a short (slot) one alike. */
+START_TEST(test_shared_exclusive_waits_for_all)
+{
+	static const char *const keys[] = {
+		"sh:x", "sh:a key longer than any slot holds"
+	};
+	const char *key = keys[_i];
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = key, .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL;
+	struct req x;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b, NULL), KL_OK);
+	ck_assert_uint_gt(kl_lease_fence(b), kl_lease_fence(a));
+	req_start(&x, ex, key, NULL);
+	wait_status(p, key, 2, 1);
+	kl_lease_release(a);
+	assert_status(p, key, 1, 1);
+	ck_assert_int_eq(atomic_load(&x.st), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(b);
+	test_poll(req_holds, &x, "the writer to get the key");
+	assert_status(p, key, 1, 0);
+	req_end(&x);
+	ck_assert_int_eq(x.rc, KL_OK);
+	ck_assert_uint_eq(x.fence, 3);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Readers hold the key and a writer waits: a new reader queues behind the
+ * writer (no barging), a try-once reader fails; when the readers leave,
+ * the writer gets the key alone; when it leaves, the readers behind it
+ * get it together, with fences above the writer's. */
+START_TEST(test_shared_no_barging_and_runs)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *sh0, *ex;
+	kl_call call = { .key = "sh:q", .cancel = NULL };
+	kl_lease *a = NULL, *t = NULL;
+	struct req x, s1, s2;
+	uint64_t fa;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	sh0 = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(kl_lock_acquire(sh0, &call, &a, NULL), KL_OK);
+	req_start(&x, ex, "sh:q", NULL);
+	wait_status(p, "sh:q", 1, 1);
+	req_start(&s1, sh, "sh:q", NULL);
+	wait_status(p, "sh:q", 1, 2);
+	req_start(&s2, sh, "sh:q", NULL);
+	wait_status(p, "sh:q", 1, 3);
+	ck_assert_int_eq(atomic_load(&s1.st), 0);
+	ck_assert_int_eq(atomic_load(&s2.st), 0);
+	/* Try once: not grantable, a writer waits first. */
+	ck_assert_int_eq(kl_lock_acquire(sh0, &call, &t, NULL),
+			 KL_ETIMEDOUT);
+	ck_assert_ptr_null(t);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	fa = kl_lease_fence(a);
+	kl_lease_release(a);
+	test_poll(req_holds, &x, "the writer to get the key");
+	assert_status(p, "sh:q", 1, 2);
+	ck_assert_int_eq(atomic_load(&s1.st), 0);
+	req_end(&x);
+	test_poll(req_holds, &s1, "the first reader to get the key");
+	test_poll(req_holds, &s2, "the second reader to get the key");
+	assert_status(p, "sh:q", 2, 0);
+	ck_assert_uint_gt(x.fence, fa);
+	ck_assert_uint_gt(s1.fence, x.fence);
+	ck_assert_uint_gt(s2.fence, s1.fence);
+	ck_assert_int_lt(x.seq, s1.seq);
+	ck_assert_int_lt(s1.seq, s2.seq);
+	req_end(&s1);
+	req_end(&s2);
+	ck_assert_int_eq(x.rc, KL_OK);
+	ck_assert_int_eq(s1.rc, KL_OK);
+	ck_assert_int_eq(s2.rc, KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_lock_free(sh0);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A reader holds the key; a writer queues, then readers behind it.  When
+ * the writer's wait ends (_i 0: its timeout, 1: its cancel token), the
+ * readers behind it get the key at once, beside the first reader. */
+START_TEST(test_shared_writer_leaves)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = "sh:t", .cancel = NULL };
+	kl_cancel *c = NULL;
+	kl_lease *a = NULL;
+	struct req x, s1, s2;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	ex = mode_lock(p, 0, _i == 0 ? 300 : KL_FOREVER);
+	if (_i == 1)
+		ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	req_start(&x, ex, "sh:t", c);
+	wait_status(p, "sh:t", 1, 1);
+	req_start(&s1, sh, "sh:t", NULL);
+	wait_status(p, "sh:t", 1, 2);
+	req_start(&s2, sh, "sh:t", NULL);
+	wait_status(p, "sh:t", 1, 3);
+	if (c != NULL)
+		kl_cancel_fire(c);
+	test_poll(req_finished, &x, "the writer's wait to end");
+	test_poll(req_holds, &s1, "the first reader behind to get the key");
+	test_poll(req_holds, &s2, "the second reader behind to get it");
+	ck_assert_int_eq(x.rc, _i == 0 ? KL_ETIMEDOUT : KL_ECANCELED);
+	assert_status(p, "sh:t", 3, 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	ck_assert_uint_gt(s1.fence, kl_lease_fence(a));
+	ck_assert_uint_gt(s2.fence, s1.fence);
+	kl_lease_release(a);
+	req_end(&x);
+	req_end(&s1);
+	req_end(&s2);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_cancel_free(c);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Timeout 0 is Web Locks' ifAvailable, in both modes; fences grow over
+ * mixed grants. */
+START_TEST(test_shared_try_once_and_fences)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = "sh:f", .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL, *t = NULL;
+	uint64_t last = 0;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, 0);
+	for (int round = 0; round < 3; round++) {
+		/* Free: either mode gets it. */
+		ck_assert_int_eq(kl_lock_acquire(ex, &call, &a, NULL), KL_OK);
+		ck_assert_uint_gt(kl_lease_fence(a), last);
+		last = kl_lease_fence(a);
+		/* Held exclusively: neither mode does. */
+		ck_assert_int_eq(kl_lock_acquire(sh, &call, &t, NULL),
+				 KL_ETIMEDOUT);
+		ck_assert_int_eq(kl_lock_acquire(ex, &call, &t, NULL),
+				 KL_ETIMEDOUT);
+		kl_lease_release(a);
+		ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+		ck_assert_uint_gt(kl_lease_fence(a), last);
+		last = kl_lease_fence(a);
+		/* Held shared, nobody waiting: shared yes, exclusive no. */
+		ck_assert_int_eq(kl_lock_acquire(sh, &call, &b, NULL), KL_OK);
+		ck_assert_uint_gt(kl_lease_fence(b), last);
+		last = kl_lease_fence(b);
+		ck_assert_int_eq(kl_lock_acquire(ex, &call, &t, NULL),
+				 KL_ETIMEDOUT);
+		ck_assert_ptr_null(t);
+		assert_status(p, "sh:f", 2, 0);
+		kl_lease_release(a);
+		assert_status(p, "sh:f", 1, 0);
+		kl_lease_release(b);
+		assert_status(p, "sh:f", 0, 0);
+	}
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* KL_ERRORCHECK: a thread asking again for a key it holds, in either mode,
+ * gets KL_EDEADLK, also when other threads hold it shared beside it. */
+START_TEST(test_shared_errorcheck)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex, *shc, *exc;
+	kl_call call = { .key = "sh:e", .cancel = NULL };
+	kl_lease *a = NULL, *t = NULL;
+	struct req other;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	ex = mode_lock(p, 0, 0);
+	shc = mode_lock(p, KL_SHARED | KL_ERRORCHECK, 0);
+	exc = mode_lock(p, KL_ERRORCHECK, 0);
+	/* Another reader holds the key first. */
+	req_start(&other, sh, "sh:e", NULL);
+	test_poll(req_holds, &other, "the other reader to hold the key");
+	ck_assert_int_eq(kl_lock_acquire(shc, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(shc, &call, &t, NULL), KL_EDEADLK);
+	ck_assert_int_eq(kl_lock_acquire(exc, &call, &t, NULL), KL_EDEADLK);
+	ck_assert_ptr_null(t);
+	kl_lease_release(a);
+	/* Only the other reader now: this thread waits, try-once. */
+	ck_assert_int_eq(kl_lock_acquire(exc, &call, &t, NULL), KL_ETIMEDOUT);
+	req_end(&other);
+	/* Held exclusively by this thread: either mode is refused. */
+	ck_assert_int_eq(kl_lock_acquire(ex, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(shc, &call, &t, NULL), KL_EDEADLK);
+	ck_assert_int_eq(kl_lock_acquire(exc, &call, &t, NULL), KL_EDEADLK);
+	kl_lease_release(a);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_lock_free(shc);
+	kl_lock_free(exc);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A free key of a slot is taken shared without the lock by a lone
+ * holder; others join it under the lock, it leaves before or after them,
+ * a writer queued behind it gets the key when it leaves, and errorcheck
+ * knows it. */
+START_TEST(test_shared_lone_holder)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *shc, *ex0, *ex;
+	kl_call call = { .key = "sh:lone", .cancel = NULL };
+	kl_lease *a = NULL, *t = NULL;
+	struct req b, x;
+	uint64_t fa;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	shc = mode_lock(p, KL_SHARED | KL_ERRORCHECK, 0);
+	ex0 = mode_lock(p, 0, 0);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(run_once(p, "sh:lone"), KL_OK); /* makes the slot */
+	for (int round = 0; round < 2; round++) {
+		ck_assert_int_eq(kl_lock_acquire(shc, &call, &a, NULL), KL_OK);
+		assert_status(p, "sh:lone", 1, 0);
+		ck_assert_int_eq(kl_lock_acquire(shc, &call, &t, NULL),
+				 KL_EDEADLK);
+		ck_assert_int_eq(kl_lock_acquire(ex0, &call, &t, NULL),
+				 KL_ETIMEDOUT);
+		req_start(&b, sh, "sh:lone", NULL);
+		test_poll(req_holds, &b, "a reader to join the lone one");
+		assert_status(p, "sh:lone", 2, 0);
+		ck_assert_uint_gt(b.fence, kl_lease_fence(a));
+		ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+		if (round == 0) {
+			/* The lone holder leaves first. */
+			kl_lease_release(a);
+			assert_status(p, "sh:lone", 1, 0);
+			ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+			req_end(&b);
+		} else {
+			req_end(&b);
+			assert_status(p, "sh:lone", 1, 0);
+			ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+			kl_lease_release(a);
+		}
+		assert_status(p, "sh:lone", 0, 0);
+		ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	}
+	/* A writer behind a lone holder. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	fa = kl_lease_fence(a);
+	req_start(&x, ex, "sh:lone", NULL);
+	wait_status(p, "sh:lone", 1, 1);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(a);
+	test_poll(req_holds, &x, "the writer to get the key");
+	ck_assert_uint_gt(x.fence, fa);
+	req_end(&x);
+	ck_assert_int_eq(x.rc, KL_OK);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(shc);
+	kl_lock_free(ex0);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* kl_lock_run and a key set with KL_SHARED on the memory provider: the
+ * function runs while another reader holds every key. */
+static int
+fn_status_two(void *arg)
+{
+	struct qwait *q = arg;
+	size_t h = 0, w = 0;
+
+	kl_provider_status(q->p, q->key, &h, &w, NULL);
+	q->holders = h;
+	return 0;
+}
+
+static int
+lease_fn_status(kl_lease *lease, void *arg)
+{
+	(void)lease;
+	return fn_status_two(arg);
+}
+
+START_TEST(test_shared_run_and_sets)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *shk;
+	const char *keys[] = { "sh:s2", "sh:s1" };
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	struct qwait q = { NULL, "sh:s1", 0, 0 };
+	struct req r1, r2;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	q.p = p;
+	sh = mode_lock(p, KL_SHARED, 0);
+	o.provider = p;
+	o.key = "sh:s1";
+	o.flags = KL_SHARED;
+	o.timeout_ms = 0;
+	ck_assert_int_eq(kl_lock_new(&shk, &o), KL_OK);
+	req_start(&r1, mode_lock(p, KL_SHARED, KL_FOREVER), "sh:s1", NULL);
+	req_start(&r2, mode_lock(p, KL_SHARED, KL_FOREVER), "sh:s2", NULL);
+	test_poll(req_holds, &r1, "a reader of s1");
+	test_poll(req_holds, &r2, "a reader of s2");
+	ck_assert_int_eq(kl_lock_run(shk, NULL, fn_status_two, &q, NULL,
+				     NULL),
+			 KL_OK);
+	ck_assert_uint_eq(q.holders, 2);
+	q.holders = 0;
+	ck_assert_int_eq(kl_lock_run_many(sh, keys, 2, NULL, lease_fn_status,
+					  &q, NULL, NULL),
+			 KL_OK);
+	ck_assert_uint_eq(q.holders, 2);
+	assert_status(p, "sh:s1", 1, 0);
+	assert_status(p, "sh:s2", 1, 0);
+	req_end(&r1);
+	req_end(&r2);
+	kl_lock_free(r1.l);
+	kl_lock_free(r2.l);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_lock_free(shk);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Snapshots */
+
+#define SNAP_MAX 16
+
+struct snap {
+	int n, stop_after;
+	kl_lock_info row[SNAP_MAX];
+	char key[SNAP_MAX][48];
+};
+
+static int
+snap_fn(const kl_lock_info *info, void *arg)
+{
+	struct snap *s = arg;
+
+	if (s->n < SNAP_MAX) {
+		s->row[s->n] = *info;
+		snprintf(s->key[s->n], sizeof s->key[0], "%s", info->key);
+		s->row[s->n].key = s->key[s->n];
+	}
+	s->n++;
+	return s->stop_after != 0 && s->n == s->stop_after;
+}
+
+/* The rows of key in s, in order: *first and their count. */
+static int
+snap_rows(const struct snap *s, const char *key, int *first)
+{
+	int n = 0;
+
+	*first = -1;
+	for (int i = 0; i < s->n && i < SNAP_MAX; i++)
+		if (strcmp(s->key[i], key) == 0) {
+			if (*first < 0)
+				*first = i;
+			n++;
+		}
+	return n;
+}
+
+/* A snapshot of known states: a key held shared twice with a writer and a
+ * reader queued, a long key held exclusively, an idle key not listed;
+ * holders first, then waiters in queue order; stopping on non-zero. */
+START_TEST(test_snapshot_known_states)
+{
+	const char *lk = "snap: a key too long for any slot";
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = "snap:k", .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL, *c = NULL;
+	int64_t me = (int64_t)syscall(SYS_gettid);
+	struct snap s;
+	struct req x, r;
+	int f;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	memset(&s, 0, sizeof s);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &s, NULL), KL_OK);
+	ck_assert_int_eq(s.n, 0);
+	sh = mode_lock(p, KL_SHARED, KL_FOREVER);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(run_once(p, "snap:idle"), KL_OK);
+	/* Taken once, the key sits idle in its slot: a takes it without the
+	 * lock, as its lone shared holder, b joins it with a record. */
+	ck_assert_int_eq(run_once(p, "snap:k"), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b, NULL), KL_OK);
+	call.key = lk;
+	ck_assert_int_eq(kl_lock_acquire(ex, &call, &c, NULL), KL_OK);
+	req_start(&x, ex, "snap:k", NULL);
+	wait_status(p, "snap:k", 2, 1);
+	req_start(&r, sh, "snap:k", NULL);
+	wait_status(p, "snap:k", 2, 2);
+
+	memset(&s, 0, sizeof s);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &s, NULL), KL_OK);
+	ck_assert_int_eq(s.n, 5);
+	ck_assert_int_eq(snap_rows(&s, "snap:idle", &f), 0);
+	ck_assert_int_eq(snap_rows(&s, "snap:k", &f), 4);
+	for (int i = f; i < f + 4; i++) {
+		ck_assert_uint_eq(s.row[i].key_len, strlen("snap:k"));
+		ck_assert_int_eq(s.row[i].pid, (int64_t)getpid());
+		ck_assert_ptr_null(s.row[i].detail);
+		ck_assert_int_ge(s.row[i].elapsed_ms, i == f ? -1 : 0);
+	}
+	/* Holders first, in grant order, with their fences: the lone
+	 * holder's thread, time and fence are not recorded. */
+	ck_assert(!s.row[f].waiting && s.row[f].shared);
+	ck_assert(!s.row[f + 1].waiting && s.row[f + 1].shared);
+	ck_assert_uint_eq(s.row[f].fence, 0);
+	ck_assert_int_eq(s.row[f].tid, 0);
+	ck_assert_int_eq(s.row[f].elapsed_ms, -1);
+	ck_assert_uint_eq(s.row[f + 1].fence, kl_lease_fence(b));
+	ck_assert_uint_gt(kl_lease_fence(b), kl_lease_fence(a));
+	ck_assert_int_eq(s.row[f + 1].tid, me);
+	/* Then the writer, then the reader behind it. */
+	ck_assert(s.row[f + 2].waiting && !s.row[f + 2].shared);
+	ck_assert_uint_eq(s.row[f + 2].position, 0);
+	ck_assert_int_eq(s.row[f + 2].tid, x.tid);
+	ck_assert_uint_eq(s.row[f + 2].fence, 0);
+	ck_assert(s.row[f + 3].waiting && s.row[f + 3].shared);
+	ck_assert_uint_eq(s.row[f + 3].position, 1);
+	ck_assert_int_eq(s.row[f + 3].tid, r.tid);
+	ck_assert_int_eq(snap_rows(&s, lk, &f), 1);
+	ck_assert(!s.row[f].waiting && !s.row[f].shared);
+	ck_assert_uint_eq(s.row[f].fence, kl_lease_fence(c));
+	ck_assert_uint_eq(s.row[f].key_len, strlen(lk));
+
+	/* Non-zero stops the walk. */
+	memset(&s, 0, sizeof s);
+	s.stop_after = 2;
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &s, NULL), KL_OK);
+	ck_assert_int_eq(s.n, 2);
+
+	kl_lease_release(a);
+	kl_lease_release(b);
+	test_poll(req_holds, &x, "the writer to get the key");
+	memset(&s, 0, sizeof s);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &s, NULL), KL_OK);
+	ck_assert_int_eq(snap_rows(&s, "snap:k", &f), 2);
+	ck_assert(!s.row[f].waiting && !s.row[f].shared);
+	ck_assert_uint_eq(s.row[f].fence, x.fence);
+	ck_assert(s.row[f + 1].waiting && s.row[f + 1].shared);
+	ck_assert_uint_eq(s.row[f + 1].position, 0);
+	req_end(&x);
+	req_end(&r);
+	kl_lease_release(c);
+	memset(&s, 0, sizeof s);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &s, NULL), KL_OK);
+	ck_assert_int_eq(s.n, 0);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* fn may call keylock: no provider lock is held while it runs. */
+static int
+snap_relock(const kl_lock_info *info, void *arg)
+{
+	kl_provider *p = arg;
+
+	(void)info;
+	return run_once(p, "snap:k") == KL_OK ? 0 : 1;
+}
+
+START_TEST(test_snapshot_fn_may_lock)
+{
+	kl_provider *p = NULL;
+	kl_lock *ex;
+	kl_call call = { .key = "snap:other", .cancel = NULL };
+	kl_lease *a = NULL;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	ex = mode_lock(p, 0, 0);
+	ck_assert_int_eq(kl_lock_acquire(ex, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_relock, p, NULL),
+			 KL_OK);
+	kl_lease_release(a);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static Suite *
 provider_memory_suite(void)
@@ -734,6 +1415,20 @@ provider_memory_suite(void)
 	tcase_add_test(tc, test_user_provider_optional_members);
 	tcase_add_test(tc, test_user_provider_bad_ops);
 	tcase_add_test(tc, test_user_provider_snapshot);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("shared");
+	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_shared_holders_together);
+	tcase_add_loop_test(tc, test_shared_exclusive_waits_for_all, 0, 2);
+	tcase_add_test(tc, test_shared_no_barging_and_runs);
+	tcase_add_loop_test(tc, test_shared_writer_leaves, 0, 2);
+	tcase_add_test(tc, test_shared_try_once_and_fences);
+	tcase_add_test(tc, test_shared_errorcheck);
+	tcase_add_test(tc, test_shared_lone_holder);
+	tcase_add_test(tc, test_shared_run_and_sets);
+	tcase_add_test(tc, test_snapshot_known_states);
+	tcase_add_test(tc, test_snapshot_fn_may_lock);
 	suite_add_tcase(s, tc);
 
 	return s;

@@ -83,7 +83,11 @@ struct options {
 	int conflict_exit;
 	bool quiet;
 	bool verbose;
+	bool shared;     /* -s: KL_SHARED; -x (the default) clears it */
 	bool status;     /* `keylock status [KEY]` */
+	bool list;       /* `keylock list` */
+	bool json;       /* --json, with list */
+	bool key_opts;   /* -k or -c given: a KEY is meant, not list */
 	const char *key; /* NULL only for a status of every key or a set */
 	const char **keys; /* -k KEY ...: a set, taken all or nothing */
 	size_t nkeys;
@@ -102,6 +106,7 @@ usage(void)
 	      " " PROG " [options] KEY -- COMMAND [ARG...]\n"
 	      " " PROG " [options] KEY -c STRING\n"
 	      " " PROG " [options] status [KEY]\n"
+	      " " PROG " [options] list [--json]\n"
 	      " " PROG " [options] -k KEY [-k KEY...] -- COMMAND [ARG...]\n"
 	      " " PROG " [options] -k KEY [-k KEY...] -c STRING\n"
 	      "\n"
@@ -134,9 +139,13 @@ usage(void)
 	      " of\n"
 	      "                               -- COMMAND (KEY -c STRING also"
 	      " works)\n"
-	      " -x, -e, --exclusive         an exclusive lock (the only kind;"
-	      " accepted\n"
-	      "                               for flock(1) users)\n"
+	      " -s, --shared                a shared lock: shared holders of"
+	      " a key hold\n"
+	      "                               it together, an exclusive one"
+	      " alone\n"
+	      " -x, -e, --exclusive         an exclusive lock (the default)\n"
+	      "     --json                  list: one JSON document for "
+	      "scripts\n"
 	      " -q, --quiet                 do not report a KEY not acquired\n"
 	      " -v, --verbose               report waited and held times\n"
 	      " -h, --help                  display this help and exit\n"
@@ -246,6 +255,77 @@ uri_scheme(char *buf, size_t size, const char *uri)
 	memcpy(buf, uri, n);
 	buf[n] = '\0';
 	return n > 0 ? buf : "?";
+}
+
+/* Whether the query parameter name[0..len) may hold a secret. */
+static bool
+secret_param(const char *name, size_t len)
+{
+	static const char *const words[] = { "pass", "pwd", "secret",
+					      "token", "auth" };
+
+	for (size_t w = 0; w < sizeof words / sizeof words[0]; w++) {
+		size_t wl = strlen(words[w]);
+
+		for (size_t i = 0; i + wl <= len; i++)
+			if (strncasecmp(name + i, words[w], wl) == 0)
+				return true;
+	}
+	return false;
+}
+
+/* uri for a message, without what may be a secret: the password of
+ * "scheme://user:PASSWORD@host" and the value of every query parameter
+ * whose name holds pass, pwd, secret, token or auth become "***"; then cut
+ * and made printable as shown does. */
+static const char *
+uri_shown(char *buf, size_t size, const char *uri)
+{
+	size_t len = strlen(uri), n = 0, i = 0;
+	const char *auth = strstr(uri, "://");
+	const char *auth_end, *at = NULL, *colon = NULL, *p;
+	char *tmp = malloc(len + 1 + 3 * (len / 2 + 1));
+
+	if (tmp == NULL)
+		return uri_scheme(buf, size, uri);
+	if (auth != NULL) {
+		auth += 3;
+		auth_end = auth + strcspn(auth, "/?#");
+		for (p = auth; p < auth_end; p++)
+			if (*p == '@')
+				at = p;
+		if (at != NULL)
+			colon = memchr(auth, ':', (size_t)(at - auth));
+	}
+	while (i < len) {
+		if (colon != NULL && uri + i == colon + 1) {
+			memcpy(tmp + n, "***", 3);
+			n += 3;
+			i = (size_t)(at - uri);
+			continue;
+		}
+		tmp[n++] = uri[i];
+		if (uri[i] == '?' || uri[i] == '&' || uri[i] == ';') {
+			/* name=value: the value hidden when the name says */
+			const char *name = uri + i + 1;
+			size_t nl = strcspn(name, "=&;#");
+
+			if (name[nl] == '=' && secret_param(name, nl)) {
+				memcpy(tmp + n, name, nl + 1);
+				n += nl + 1;
+				memcpy(tmp + n, "***", 3);
+				n += 3;
+				i += 1 + nl + 1;
+				i += strcspn(uri + i, "&;#");
+				continue;
+			}
+		}
+		i++;
+	}
+	tmp[n] = '\0';
+	shown(buf, size, tmp);
+	free(tmp);
+	return buf;
 }
 
 /* "250 ms", "5 s", "1.5 s". */
@@ -364,49 +444,37 @@ check_key_fits(const struct options *o, const char *key)
 			    key_len, total, argmax);
 }
 
-static void
-parse_args(int argc, char **argv, struct options *o)
-{
-	static const struct option longopts[] = {
-		{ "provider", required_argument, NULL, 'p' },
-		{ "wait", required_argument, NULL, 'w' },
-		{ "timeout", required_argument, NULL, 'w' },
-		{ "nonblock", no_argument, NULL, 'n' },
-		{ "nonblocking", no_argument, NULL, 'n' },
-		{ "nb", no_argument, NULL, 'n' },
-		{ "exclusive", no_argument, NULL, 'x' },
-		{ "shared", no_argument, NULL, 's' },
-		{ "command", required_argument, NULL, 'c' },
-		{ "key", required_argument, NULL, 'k' },
-		{ "ttl", required_argument, NULL, 't' },
-		{ "conflict-exit-code", required_argument, NULL, 'E' },
-		{ "quiet", no_argument, NULL, 'q' },
-		{ "verbose", no_argument, NULL, 'v' },
-		{ "help", no_argument, NULL, 'h' },
-		{ "version", no_argument, NULL, 'V' },
-		{ NULL, 0, NULL, 0 },
-	};
-	char buf[SHOWN_MAX], scheme[16];
-	const char *last_arg = NULL; /* the argument of the last option */
-	const char *first;
-	char **rest;
-	int c, n;
+static const struct option longopts[] = {
+	{ "provider", required_argument, NULL, 'p' },
+	{ "wait", required_argument, NULL, 'w' },
+	{ "timeout", required_argument, NULL, 'w' },
+	{ "nonblock", no_argument, NULL, 'n' },
+	{ "nonblocking", no_argument, NULL, 'n' },
+	{ "nb", no_argument, NULL, 'n' },
+	{ "exclusive", no_argument, NULL, 'x' },
+	{ "shared", no_argument, NULL, 's' },
+	{ "command", required_argument, NULL, 'c' },
+	{ "key", required_argument, NULL, 'k' },
+	{ "ttl", required_argument, NULL, 't' },
+	{ "conflict-exit-code", required_argument, NULL, 'E' },
+	{ "quiet", no_argument, NULL, 'q' },
+	{ "verbose", no_argument, NULL, 'v' },
+	{ "json", no_argument, NULL, 'J' },
+	{ "help", no_argument, NULL, 'h' },
+	{ "version", no_argument, NULL, 'V' },
+	{ NULL, 0, NULL, 0 },
+};
 
-	o->provider = "local:";
-	o->wait_ms = KL_FOREVER;
-	o->ttl_ms = 0;
-	o->conflict_exit = EXIT_NOT_ACQUIRED;
-	/* getopt names the program by argv[0] in its messages; the libtool
-	 * wrapper of the build tree runs it as lt-keylock. */
-	argv[0] = (char *)PROG;
-	/* At most one key per argument. */
-	if ((o->keys = calloc((size_t)argc, sizeof *o->keys)) == NULL) {
-		fputs(PROG ": out of memory\n", stderr);
-		exit(EXIT_OSERR);
-	}
+/* The options up to the first argument that is not one; *last_arg is the
+ * argument of the last option. */
+static void
+parse_opts(int argc, char **argv, struct options *o, const char **last_arg)
+{
+	int c;
+
 	while ((c = getopt_long(argc, argv, "+p:w:nt:E:qvhVxesc:k:", longopts,
 				NULL)) != -1) {
-		last_arg = optarg;
+		*last_arg = optarg;
 		switch (c) {
 		case 'p':
 			o->provider = optarg;
@@ -419,18 +487,20 @@ parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'x':
 		case 'e':
-			break; /* exclusive: what every lock is */
+			o->shared = false; /* the last of -s and -x counts */
+			break;
 		case 's':
-			usage_error("shared locks are not supported: every "
-				    "lock is exclusive (-s, --shared)");
+			o->shared = true;
 			break;
 		case 'c':
 			o->shell_command = optarg;
+			o->key_opts = true;
 			break;
 		case 'k':
 			if (optarg[0] == '\0')
 				usage_error("the KEY of -k is empty");
 			o->keys[o->nkeys++] = optarg;
+			o->key_opts = true;
 			break;
 		case 't':
 			o->ttl_ms = parse_duration("ttl", optarg, false);
@@ -443,6 +513,9 @@ parse_args(int argc, char **argv, struct options *o)
 			break;
 		case 'v':
 			o->verbose = true;
+			break;
+		case 'J':
+			o->json = true;
 			break;
 		case 'h':
 			usage();
@@ -457,12 +530,69 @@ parse_args(int argc, char **argv, struct options *o)
 			exit(EXIT_USAGE);
 		}
 	}
+}
+
+/* `keylock [options] list [options]`: "list" first among the arguments
+ * that are not options, not followed by "--" or "-c" (then it is a KEY, as
+ * in `keylock list -- make`), and no -k or -c before it.  The options may
+ * follow it (`keylock list -p URI --json`); nothing else may. */
+static bool
+parse_list(int argc, char **argv, struct options *o, const char **last_arg)
+{
+	char buf[SHOWN_MAX];
+	char **rest = argv + optind;
+	int n = argc - optind;
+
+	if (o->key_opts || n == 0 || strcmp(rest[0], "list") != 0 ||
+	    (n >= 2 && (strcmp(rest[1], "--") == 0 ||
+			strcmp(rest[1], "-c") == 0)))
+		return false;
+	optind++;
+	parse_opts(argc, argv, o, last_arg);
+	if (o->key_opts)
+		usage_error("list takes no KEY: it shows every key (no -k, "
+			    "no -c)");
+	if (optind < argc)
+		usage_error("list takes no KEY or other argument: unexpected "
+			    "'%s' (" PROG " list [-p URI] [--json])",
+			    shown(buf, sizeof buf, argv[optind]));
+	o->list = true;
+	return true;
+}
+
+static void
+parse_args(int argc, char **argv, struct options *o)
+{
+	char buf[SHOWN_MAX], scheme[16];
+	const char *last_arg = NULL; /* the argument of the last option */
+	const char *first;
+	char **rest;
+	int n;
+
+	o->provider = "local:";
+	o->wait_ms = KL_FOREVER;
+	o->ttl_ms = 0;
+	o->conflict_exit = EXIT_NOT_ACQUIRED;
+	/* getopt names the program by argv[0] in its messages; the libtool
+	 * wrapper of the build tree runs it as lt-keylock. */
+	argv[0] = (char *)PROG;
+	/* At most one key per argument. */
+	if ((o->keys = calloc((size_t)argc, sizeof *o->keys)) == NULL) {
+		fputs(PROG ": out of memory\n", stderr);
+		exit(EXIT_OSERR);
+	}
+	parse_opts(argc, argv, o, &last_arg);
+	parse_list(argc, argv, o, &last_arg);
+	if (o->json && !o->list)
+		usage_error("--json goes with list (" PROG " list --json)");
 
 	/* A memory: lock means nothing outside this process. */
 	uri_scheme(scheme, sizeof scheme, o->provider);
 	if (strcasecmp(scheme, "memory") == 0)
 		usage_error("the memory: provider locks within one process "
 			    "only; use local: to lock across processes");
+	if (o->list)
+		return;
 
 	rest = argv + optind;
 	n = argc - optind;
@@ -605,15 +735,430 @@ failure_exit(int rc)
 	}
 }
 
+/* ------------------------------------------------------------------ */
+/* Snapshots: keylock list, keylock status                             */
+
+/* One entry of a snapshot, copied: the strings are valid in the callback
+ * only. */
+struct entry {
+	char *key; /* key_len bytes and a NUL; NULL: the provider has no name */
+	size_t key_len;
+	char *detail; /* or NULL */
+	bool waiting, shared;
+	int64_t pid, tid, elapsed_ms;
+	uint64_t fence;
+	size_t position;
+	size_t waiters; /* of the entry's key */
+};
+
+struct snap {
+	struct entry *v;
+	size_t n, cap;
+	bool nomem;
+};
+
+static void
+snap_free(struct snap *sn)
+{
+	for (size_t i = 0; i < sn->n; i++) {
+		free(sn->v[i].key);
+		free(sn->v[i].detail);
+	}
+	free(sn->v);
+	memset(sn, 0, sizeof *sn);
+}
+
+static int
+snap_add(const kl_lock_info *info, void *arg)
+{
+	struct snap *sn = arg;
+	struct entry *e;
+
+	if (sn->n == sn->cap) {
+		size_t cap = sn->cap > 0 ? sn->cap * 2 : 32;
+		struct entry *v = realloc(sn->v, cap * sizeof *v);
+
+		if (v == NULL)
+			goto nomem;
+		sn->v = v;
+		sn->cap = cap;
+	}
+	e = &sn->v[sn->n];
+	memset(e, 0, sizeof *e);
+	if (info->key != NULL) {
+		if ((e->key = malloc(info->key_len + 1)) == NULL)
+			goto nomem;
+		memcpy(e->key, info->key, info->key_len);
+		e->key[info->key_len] = '\0';
+		e->key_len = info->key_len;
+	}
+	if (info->detail != NULL &&
+	    (e->detail = strdup(info->detail)) == NULL) {
+		free(e->key);
+		goto nomem;
+	}
+	e->waiting = info->waiting;
+	e->shared = info->shared;
+	e->pid = info->pid;
+	e->tid = info->tid;
+	e->elapsed_ms = info->elapsed_ms;
+	e->fence = info->fence;
+	e->position = info->position;
+	sn->n++;
+	return 0;
+nomem:
+	sn->nomem = true;
+	return 1;
+}
+
+static bool
+same_key(const struct entry *a, const struct entry *b)
+{
+	if (a->key != NULL || b->key != NULL)
+		return a->key != NULL && b->key != NULL &&
+		       a->key_len == b->key_len &&
+		       memcmp(a->key, b->key, a->key_len) == 0;
+	return a->detail != NULL && b->detail != NULL &&
+	       strcmp(a->detail, b->detail) == 0;
+}
+
+/* Takes the snapshot of p into sn and counts each key's waiters (the
+ * entries of a key come together).  KL_OK, or a status with err filled. */
+static int
+snap_take(kl_provider *p, struct snap *sn, kl_error *err)
+{
+	size_t i, j, k, w;
+	int rc;
+
+	memset(sn, 0, sizeof *sn);
+	rc = kl_provider_snapshot(p, snap_add, sn, err);
+	if (rc == KL_OK && sn->nomem)
+		rc = KL_ENOMEM;
+	if (rc != KL_OK) {
+		if (rc == KL_ENOMEM && err->message[0] == '\0')
+			snprintf(err->message, sizeof err->message, "%s",
+				 kl_strerror(rc));
+		snap_free(sn);
+		return rc;
+	}
+	for (i = 0; i < sn->n; i = j) {
+		for (j = i + 1, w = sn->v[i].waiting; j < sn->n &&
+		     same_key(&sn->v[i], &sn->v[j]); j++)
+			w += sn->v[j].waiting;
+		for (k = i; k < j; k++)
+			sn->v[k].waiters = w;
+	}
+	return KL_OK;
+}
+
+/* The key (or, without one, the provider's name for the lock in
+ * brackets) for the table: backslash, control, DEL and non-ASCII bytes as
+ * C escapes (\n, \t, \r, \\, \xHH), cut at max characters with "...", so
+ * that no key can break a row or talk to the terminal. */
+static const char *
+key_cell(char *buf, size_t max, const struct entry *e)
+{
+	const char *s = e->key != NULL ? e->key : e->detail;
+	size_t len = e->key != NULL ? e->key_len
+				    : (s != NULL ? strlen(s) : 0);
+	size_t n = 0, i;
+	char esc[8];
+
+	if (e->key == NULL)
+		buf[n++] = '[';
+	for (i = 0; i < len; i++) {
+		unsigned char ch = (unsigned char)s[i];
+		size_t el;
+
+		if (ch == '\\')
+			el = (size_t)snprintf(esc, sizeof esc, "\\\\");
+		else if (ch == '\n')
+			el = (size_t)snprintf(esc, sizeof esc, "\\n");
+		else if (ch == '\t')
+			el = (size_t)snprintf(esc, sizeof esc, "\\t");
+		else if (ch == '\r')
+			el = (size_t)snprintf(esc, sizeof esc, "\\r");
+		else if (ch < 0x20 || ch >= 0x7f)
+			el = (size_t)snprintf(esc, sizeof esc, "\\x%02x", ch);
+		else
+			el = (size_t)snprintf(esc, sizeof esc, "%c", ch);
+		if (n + el > max - 4) {
+			memcpy(buf + n, "...", 3);
+			n += 3;
+			break;
+		}
+		memcpy(buf + n, esc, el);
+		n += el;
+	}
+	if (e->key == NULL && n < max)
+		buf[n++] = ']';
+	buf[n] = '\0';
+	return buf;
+}
+
+/* "250ms", "1.2s", "3m05s", "2h03m", "4d02h"; "-" unknown. */
+static const char *
+age_cell(char *buf, size_t size, int64_t ms)
+{
+	if (ms < 0)
+		snprintf(buf, size, "-");
+	else if (ms < 1000)
+		snprintf(buf, size, "%" PRId64 "ms", ms);
+	else if (ms < 60000)
+		snprintf(buf, size, "%" PRId64 ".%" PRId64 "s", ms / 1000,
+			 ms % 1000 / 100);
+	else if (ms < 3600000)
+		snprintf(buf, size, "%" PRId64 "m%02" PRId64 "s", ms / 60000,
+			 ms / 1000 % 60);
+	else if (ms < 86400000)
+		snprintf(buf, size, "%" PRId64 "h%02" PRId64 "m",
+			 ms / 3600000, ms / 60000 % 60);
+	else
+		snprintf(buf, size, "%" PRId64 "d%02" PRId64 "h",
+			 ms / 86400000, ms / 3600000 % 24);
+	return buf;
+}
+
+#define KEY_CELL_MAX 48 /* a key in the table: 45 characters and "..." */
+#define LIST_COLS 9
+
+static const char *const list_head[LIST_COLS] = {
+	"KEY", "MODE", "STATE", "POS", "PID", "TID", "TIME", "FENCE",
+	"WAITERS",
+};
+
+static void
+list_row(char cell[LIST_COLS][KEY_CELL_MAX + 8], const struct entry *e)
+{
+	key_cell(cell[0], KEY_CELL_MAX + 1, e);
+	snprintf(cell[1], sizeof cell[1], "%s", e->shared ? "SHARED" : "EXCL");
+	snprintf(cell[2], sizeof cell[2], "%s",
+		 e->waiting ? "waiting" : "held");
+	if (e->waiting)
+		snprintf(cell[3], sizeof cell[3], "%zu", e->position + 1);
+	else
+		snprintf(cell[3], sizeof cell[3], "-");
+	if (e->pid > 0)
+		snprintf(cell[4], sizeof cell[4], "%" PRId64, e->pid);
+	else
+		snprintf(cell[4], sizeof cell[4], "-");
+	if (e->tid > 0)
+		snprintf(cell[5], sizeof cell[5], "%" PRId64, e->tid);
+	else
+		snprintf(cell[5], sizeof cell[5], "-");
+	age_cell(cell[6], sizeof cell[6], e->elapsed_ms);
+	if (!e->waiting && e->fence > 0)
+		snprintf(cell[7], sizeof cell[7], "%" PRIu64, e->fence);
+	else
+		snprintf(cell[7], sizeof cell[7], "-");
+	snprintf(cell[8], sizeof cell[8], "%zu", e->waiters);
+}
+
+/* The table: one row per holder and per waiter, a key's holders first and
+ * then its waiters in queue order; the text columns to the left, numbers
+ * to the right. */
+static void
+print_table(const struct snap *sn)
+{
+	char cell[LIST_COLS][KEY_CELL_MAX + 8];
+	size_t width[LIST_COLS], i, c;
+
+	for (c = 0; c < LIST_COLS; c++)
+		width[c] = strlen(list_head[c]);
+	for (i = 0; i < sn->n; i++) {
+		list_row(cell, &sn->v[i]);
+		for (c = 0; c < LIST_COLS; c++)
+			if (strlen(cell[c]) > width[c])
+				width[c] = strlen(cell[c]);
+	}
+	for (i = 0; i <= sn->n; i++) {
+		if (i == 0)
+			for (c = 0; c < LIST_COLS; c++)
+				snprintf(cell[c], sizeof cell[c], "%s",
+					 list_head[c]);
+		else
+			list_row(cell, &sn->v[i - 1]);
+		for (c = 0; c < LIST_COLS; c++) {
+			bool left = c <= 2;
+
+			printf(c == 0 ? "%-*s" : left ? "  %-*s" : "  %*s",
+			       (int)width[c], cell[c]);
+		}
+		putchar('\n');
+	}
+}
+
+/* The length of the valid UTF-8 sequence at s[0..len), or 0 when there is
+ * none (a stray byte, an overlong form, a surrogate, beyond U+10FFFF). */
+static size_t
+utf8_len(const unsigned char *s, size_t len, uint32_t *cp)
+{
+	size_t n, i;
+	uint32_t c, min;
+
+	if (s[0] < 0x80) {
+		*cp = s[0];
+		return 1;
+	}
+	if ((s[0] & 0xe0) == 0xc0) {
+		n = 2, c = s[0] & 0x1f, min = 0x80;
+	} else if ((s[0] & 0xf0) == 0xe0) {
+		n = 3, c = s[0] & 0x0f, min = 0x800;
+	} else if ((s[0] & 0xf8) == 0xf0) {
+		n = 4, c = s[0] & 0x07, min = 0x10000;
+	} else {
+		return 0;
+	}
+	if (n > len)
+		return 0;
+	for (i = 1; i < n; i++) {
+		if ((s[i] & 0xc0) != 0x80)
+			return 0;
+		c = c << 6 | (s[i] & 0x3f);
+	}
+	if (c < min || c > 0x10ffff || (c >= 0xd800 && c <= 0xdfff))
+		return 0;
+	*cp = c;
+	return n;
+}
+
+/* s[0..len) as a JSON string.  Valid UTF-8 passes as it is but for the
+ * code points that could talk to a terminal or end a JavaScript line
+ * (C0, DEL, C1, U+2028, U+2029), written \uXXXX; each byte that is not
+ * part of valid UTF-8 becomes U+FFFD.  Returns whether every byte was
+ * valid UTF-8. */
+static bool
+json_string(const char *s, size_t len)
+{
+	const unsigned char *u = (const unsigned char *)s;
+	bool valid = true;
+	uint32_t cp;
+	size_t i, n;
+
+	putchar('"');
+	for (i = 0; i < len; i += n) {
+		n = utf8_len(u + i, len - i, &cp);
+		if (n == 0) {
+			fputs("\\ufffd", stdout);
+			valid = false;
+			n = 1;
+		} else if (cp == '"' || cp == '\\') {
+			printf("\\%c", (char)cp);
+		} else if (cp == '\n') {
+			fputs("\\n", stdout);
+		} else if (cp == '\t') {
+			fputs("\\t", stdout);
+		} else if (cp == '\r') {
+			fputs("\\r", stdout);
+		} else if (cp < 0x20 || (cp >= 0x7f && cp < 0xa0) ||
+			   cp == 0x2028 || cp == 0x2029) {
+			printf("\\u%04" PRIx32, cp);
+		} else {
+			fwrite(u + i, 1, n, stdout);
+		}
+	}
+	putchar('"');
+	return valid;
+}
+
+static void
+json_int(const char *name, int64_t v, bool known)
+{
+	if (known)
+		printf(", \"%s\": %" PRId64, name, v);
+	else
+		printf(", \"%s\": null", name);
+}
+
+/* One JSON array, one object a line, in the order of the table. */
+static void
+print_json(const struct snap *sn)
+{
+	fputs("[", stdout);
+	for (size_t i = 0; i < sn->n; i++) {
+		const struct entry *e = &sn->v[i];
+
+		fputs(i == 0 ? "\n  {\"key\": " : ",\n  {\"key\": ", stdout);
+		if (e->key == NULL) {
+			fputs("null", stdout);
+		} else if (!json_string(e->key, e->key_len)) {
+			/* the exact bytes, for a key that is not UTF-8 */
+			fputs(", \"key_hex\": \"", stdout);
+			for (size_t b = 0; b < e->key_len; b++)
+				printf("%02x", (unsigned char)e->key[b]);
+			putchar('"');
+		}
+		fputs(", \"detail\": ", stdout);
+		if (e->detail != NULL)
+			json_string(e->detail, strlen(e->detail));
+		else
+			fputs("null", stdout);
+		printf(", \"mode\": \"%s\", \"state\": \"%s\"",
+		       e->shared ? "shared" : "exclusive",
+		       e->waiting ? "waiting" : "held");
+		json_int("position", (int64_t)e->position, e->waiting);
+		json_int("pid", e->pid, e->pid > 0);
+		json_int("tid", e->tid, e->tid > 0);
+		json_int("elapsed_ms", e->elapsed_ms, e->elapsed_ms >= 0);
+		if (!e->waiting && e->fence > 0)
+			printf(", \"fence\": %" PRIu64, e->fence);
+		else
+			fputs(", \"fence\": null", stdout);
+		printf(", \"waiters\": %zu}", e->waiters);
+	}
+	fputs(sn->n > 0 ? "\n]\n" : "]\n", stdout);
+}
+
+/* `keylock list [--json]` of the open provider p (o->provider is its URI,
+ * for messages). */
+static int
+list_locks(const struct options *o, kl_provider *p)
+{
+	char ubuf[SHOWN_MAX * 2];
+	kl_error err = { 0 };
+	struct snap sn;
+	int rc;
+
+	if ((rc = snap_take(p, &sn, &err)) != KL_OK) {
+		note("cannot list the locks of provider '%s': %s",
+		     uri_shown(ubuf, sizeof ubuf, o->provider),
+		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
+		return failure_exit(rc);
+	}
+	if (o->json)
+		print_json(&sn);
+	else
+		print_table(&sn);
+	snap_free(&sn);
+	return fflush(stdout) == 0 && !ferror(stdout) ? EXIT_SUCCESS
+						      : EXIT_OSERR;
+}
+
+static int
+run_list(const struct options *o)
+{
+	kl_provider *p = open_provider(o);
+	int code = list_locks(o, p);
+
+	kl_provider_free(p);
+	return code;
+}
+
 /* `keylock status [KEY]`: one "name: value" line each, "unknown" for what
- * the provider cannot tell.  There is no call to list the keys yet. */
+ * the provider cannot tell.  The counts come from kl_provider_status; the
+ * modes, and the number of keys, from a snapshot where the provider can
+ * take one (its entries of a key are of one moment, so then the counts are
+ * taken from it too, to agree with the modes). */
 static int
 run_status(const struct options *o)
 {
 	char buf[SHOWN_MAX], scheme[16];
 	kl_provider *p = open_provider(o);
-	kl_error err = { 0 };
-	size_t holders, waiters;
+	kl_error err = { 0 }, serr = { 0 };
+	size_t holders = 0, waiters = 0, keys = 0;
+	size_t by[2][2] = { { 0, 0 }, { 0, 0 } }; /* [waiting][shared] */
+	bool modes = false, listed = false;
+	struct snap sn;
 	int rc = KL_OK;
 
 	if (o->key != NULL)
@@ -624,12 +1169,50 @@ run_status(const struct options *o)
 		kl_provider_free(p);
 		return failure_exit(rc);
 	}
+	if (snap_take(p, &sn, &serr) == KL_OK) {
+		struct entry want = { .key = (char *)o->key,
+				      .key_len = o->key != NULL
+							 ? strlen(o->key)
+							 : 0 };
+
+		modes = listed = true;
+		for (size_t i = 0; i < sn.n; i++) {
+			/* a lock the provider cannot name may be this key */
+			if (sn.v[i].key == NULL)
+				modes = false;
+			if (i == 0 || !same_key(&sn.v[i - 1], &sn.v[i]))
+				keys++;
+			if (o->key != NULL && same_key(&sn.v[i], &want))
+				by[sn.v[i].waiting][sn.v[i].shared]++;
+		}
+		snap_free(&sn);
+	}
 	printf("provider: %s\n",
 	       uri_scheme(scheme, sizeof scheme, o->provider));
 	if (o->key != NULL) {
+		if (modes) {
+			holders = by[0][0] + by[0][1];
+			waiters = by[1][0] + by[1][1];
+		}
 		printf("key: %s\n", shown(buf, sizeof buf, o->key));
 		printf("holders: %zu\n", holders);
+		if (modes)
+			printf("shared holders: %zu\n"
+			       "exclusive holders: %zu\n",
+			       by[0][1], by[0][0]);
+		else
+			printf("shared holders: unknown\n"
+			       "exclusive holders: unknown\n");
 		printf("queue: %zu\n", waiters);
+		if (modes)
+			printf("shared waiters: %zu\n"
+			       "exclusive waiters: %zu\n",
+			       by[1][1], by[1][0]);
+		else
+			printf("shared waiters: unknown\n"
+			       "exclusive waiters: unknown\n");
+	} else if (listed) {
+		printf("keys: %zu\n", keys);
 	} else {
 		printf("keys: unknown\n");
 	}
@@ -1289,7 +1872,7 @@ on_event(const kl_event *ev, void *arg)
 static int
 run_locked(const struct options *o)
 {
-	char kbuf[SHOWN_MAX], tbuf[32];
+	char kbuf[SHOWN_MAX], tbuf[32], ubuf[SHOWN_MAX * 2];
 	kl_lock_opts lo = KL_LOCK_OPTS_INIT;
 	struct report rep = { .o = o };
 	kl_error err = { 0 };
@@ -1322,6 +1905,7 @@ run_locked(const struct options *o)
 	lo.key = o->key;
 	lo.timeout_ms = o->wait_ms;
 	lo.ttl_ms = o->ttl_ms;
+	lo.flags = o->shared ? KL_SHARED : 0;
 	lo.on_event = on_event;
 	lo.event_arg = &rep;
 	call.cancel = sigs.cancel;
@@ -1342,8 +1926,9 @@ run_locked(const struct options *o)
 	if (rc == KL_OK) {
 		if (o->verbose)
 			note("acquired '%s' after %" PRId64
-			     " ms (fence %" PRIu64 ")",
-			     kbuf, rep.waited_ms, kl_lease_fence(lease));
+			     " ms (fence %" PRIu64 "%s)",
+			     kbuf, rep.waited_ms, kl_lease_fence(lease),
+			     o->shared ? ", shared" : "");
 		/* A set passes its first key in canonical order. */
 		if (command_init(&cmd, o->command, kl_lease_key(lease),
 				 kl_lease_fence(lease)) != 0) {
@@ -1371,6 +1956,12 @@ run_locked(const struct options *o)
 			note("'%s' not acquired within %s", kbuf,
 			     format_ms(tbuf, sizeof tbuf, o->wait_ms));
 		code = o->conflict_exit;
+	} else if (rc == KL_EINVAL && o->shared) {
+		/* What a provider that cannot take keys shared answers. */
+		note("provider '%s': %s (-s, --shared)",
+		     uri_shown(ubuf, sizeof ubuf, o->provider),
+		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
+		code = EXIT_UNAVAILABLE;
 	} else {
 		note("%s",
 		     err.message[0] != '\0' ? err.message : kl_strerror(rc));
@@ -1395,7 +1986,9 @@ main(int argc, char **argv)
 	block_signals();
 
 	parse_args(argc, argv, &o);
-	code = o.status ? run_status(&o) : run_locked(&o);
+	code = o.list	  ? run_list(&o)
+	       : o.status ? run_status(&o)
+			  : run_locked(&o);
 	free(o.keys);
 	return code;
 }

@@ -2,19 +2,14 @@
 # SPDX-License-Identifier: MIT
 # keylock(1) takes flock(1)'s spellings (issue 15, item 13): -x, -e and
 # --exclusive, --timeout, --nb and --nonblocking, durations such as .5, 5.
-# and .007, and -c STRING; -s/--shared is refused with a message.  Also:
+# and .007, and -c STRING; -s and --shared (test/cli/shared.sh shows what
+# they do).  Also:
 # a KEY too long for the command's environment is a usage error before any
 # provider is opened, and a URI without a scheme is named as such.
 . "$(dirname "$0")/lib.sh"
 
 # A provider that cannot be opened: what is checked first exits 64.
 NOPE=(-p "local:/dev/null/nope")
-
-for s in -s --shared; do
-	kl "${NOPE[@]}" "$s" k -- true
-	expect_usage "$s"
-	grep -q "shared" "$ERR" || fail "$s: the message does not say shared"
-done
 
 kl -p /tmp/keylock-no-such-scheme k -- true
 expect_usage "a provider URI without a scheme"
@@ -40,7 +35,8 @@ expect_usage "-c with status"
 
 need_local
 
-for x in -x -e --exclusive; do
+for x in -x -e --exclusive -s --shared; do
+	rm -f "$OUT.x"
 	kl "${P[@]}" "$x" k -- sh -c 'echo "$KEYLOCK_KEY" >"$1"' sh "$OUT.x"
 	expect_rc 0 "$x"
 	[ "$(cat "$OUT.x")" = k ] || fail "$x: the command did not run"

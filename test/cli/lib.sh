@@ -162,18 +162,30 @@ holders_is() {
 	[ "$h" = "$2" ]
 }
 
+# status_is KEY NAME VALUE: `keylock status KEY` shows the line
+# "NAME: VALUE".
+status_is() {
+	"$KEYLOCK" "${P[@]}" status "$1" 2>/dev/null | grep -qx "$2: $3"
+}
+
+# can_list: `keylock list` works on the provider (kl_provider_snapshot).
+can_list() {
+	"$KEYLOCK" "${P[@]}" list >/dev/null 2>&1
+}
+
 # wait_queue KEY N: waits until N processes wait for KEY.
 wait_queue() {
 	wait_until 20 "$2 waiters on '$1'" queue_is "$1" "$2"
 }
 
-# hold KEY NAME: starts a background keylock holding KEY whose command
-# touches $TMP/NAME.held once it runs and exits when $TMP/NAME.release
-# appears (or after 25 s).  Returns once the key is held; the keylock pid
-# is in $holder.
+# hold KEY NAME [OPTION...]: starts a background keylock (with the
+# OPTIONs, such as -s) holding KEY whose command touches $TMP/NAME.held once
+# it runs and exits when $TMP/NAME.release appears (or after 25 s).  Returns
+# once the key is held; the keylock pid is in $holder.
 hold() {
 	local key=$1 name=$2
-	bg "$KEYLOCK" "${P[@]}" "$key" -- sh -c '
+	shift 2
+	bg "$KEYLOCK" "${P[@]}" "$@" "$key" -- sh -c '
 		touch "$1.held"
 		i=0
 		while [ ! -e "$1.release" ] && [ $i -lt 500 ]; do

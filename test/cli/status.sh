@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: MIT
-# keylock status [KEY]: holders and waiters as the provider tells them.
+# keylock status [KEY]: holders and waiters as the provider tells them,
+# by mode where it can list its locks (test/cli/shared.sh, list.sh).
 . "$(dirname "$0")/lib.sh"
 need_local
 
@@ -25,10 +26,21 @@ expect_rc 0 "the waiter"
 wait_until 20 "the key to be free" holders_is k 0
 queue_is k 0 || fail "status after all left: queue"
 
-# Every key: the providers cannot list them yet.
+# The modes: unknown where the provider cannot list its locks.
+if can_list; then
+	status_is k "shared holders" 0 || fail "status: shared holders"
+	status_is k "exclusive waiters" 0 || fail "status: exclusive waiters"
+	want_keys=0
+else
+	status_is k "shared holders" unknown || fail "status: shared holders"
+	status_is k "exclusive waiters" unknown || fail "status: exclusive waiters"
+	want_keys=unknown
+fi
+
+# Every key: how many, where the provider can list them.
 kl "${P[@]}" status
 expect_rc 0 "status without a key"
-grep -qx "keys: unknown" "$OUT" || fail "status without a key: output"
+grep -qx "keys: $want_keys" "$OUT" || fail "status without a key: output"
 
 # A key that cannot be printed as it is.
 kl "${P[@]}" status "$(printf 'a\nb')"

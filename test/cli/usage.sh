@@ -23,6 +23,38 @@ expect_usage "an empty KEY"
 kl "${NOPE[@]}" status a b
 expect_usage "status with two keys"
 
+# keylock list: no KEY, no -k or -c, --json with list only; options may
+# come before or after the word list.
+kl "${NOPE[@]}" list k
+expect_usage "list with a KEY"
+grep -q "list takes no KEY" "$ERR" || fail "list with a KEY: message"
+grep -q "'k'" "$ERR" || fail "list with a KEY: the argument is not named"
+kl "${NOPE[@]}" list --json k
+expect_usage "list --json with a KEY"
+kl list "${NOPE[@]}" -k a
+expect_usage "list -k KEY"
+grep -q "list takes no KEY" "$ERR" || fail "list -k KEY: message"
+kl "${NOPE[@]}" list --bogus
+expect_usage "list with an unknown option"
+grep -q "'--bogus'" "$ERR" || fail "list --bogus: the option is not named"
+kl "${NOPE[@]}" --json status k
+expect_usage "--json with status"
+grep -q -- "--json goes with list" "$ERR" || fail "--json with status: message"
+kl "${NOPE[@]}" --json k -- true
+expect_usage "--json with a command"
+kl "${NOPE[@]}" --shred k -- true
+expect_usage "--shred (not --shared)"
+kl -p memory: list
+expect_usage "-p memory: list"
+# "list" followed by "--" or -c is a KEY like any other: the provider is
+# opened (and refused) rather than a usage error.
+kl "${NOPE[@]}" list -- true
+expect_rc 69 "list -- COMMAND (list is the KEY)"
+kl "${NOPE[@]}" list -c true
+expect_rc 69 "list -c STRING (list is the KEY)"
+kl list "${NOPE[@]}" --json
+expect_rc 69 "list -p URI --json (options after list)"
+
 for w in abc -1 "" 1x 5sec 1.5.2 ' 5' 1e3 . .s; do
 	kl "${NOPE[@]}" -w "$w" k -- true
 	expect_usage "-w '$w'"

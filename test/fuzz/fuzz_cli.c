@@ -8,9 +8,10 @@
  *
  * The input is split at NUL bytes into at most 16 arguments after
  * argv[0].  Checks, besides crashes and leaks: parse_args only exits with
- * 0 or 64; when it returns, the options are complete and in range (a key or
- * `status`, a command after "--", durations >= 0 or KL_FOREVER, an exit
- * code 0-255).  The messages keylock prints go to /dev/null.
+ * 0 or 64; when it returns, the options are complete and in range (a key,
+ * `status`, or `list` with no key, a command after "--", durations >= 0
+ * or KL_FOREVER, an exit code 0-255).  The messages keylock prints go to
+ * /dev/null.
  */
 #include "config.h"
 
@@ -136,9 +137,16 @@ LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 		check(o.ttl_ms >= 0, "bad ttl");
 		check(o.conflict_exit >= 0 && o.conflict_exit <= 255,
 		      "bad conflict exit code");
-		if (o.status) {
+		if (o.list) {
+			/* list: no key, no set, no command */
+			check(o.command == NULL && o.key == NULL &&
+				      o.nkeys == 0 && !o.status,
+			      "list with a key or a command");
+		} else if (o.status) {
 			check(o.command == NULL, "status with a command");
+			check(!o.json, "--json without list");
 		} else {
+			check(!o.json, "--json without list");
 			if (o.nkeys > 0) {
 				/* a set: -k KEY ..., each one non-empty */
 				check(o.key == NULL, "a KEY besides -k");

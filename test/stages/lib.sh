@@ -16,9 +16,10 @@ JOBS=${KL_JOBS:-2}
 MAKE_TIMEOUT=${KL_MAKE_TIMEOUT:-1800}
 ME=tools/test
 
-# Debian packages the stages need, and a command or file that shows each.
+# Debian packages the stages need, and a command or file that shows each
+# (jq: the keylock list tests of make check read its JSON with it).
 PACKAGES=(autoconf automake libtool pkg-config check libsubunit-dev make gcc
-	clang libclang-rt-dev valgrind procps)
+	clang libclang-rt-dev valgrind procps jq)
 
 export DEBIAN_FRONTEND=noninteractive
 export LC_ALL=C

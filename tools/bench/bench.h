@@ -27,7 +27,8 @@
  * The files of tools/bench/: harness.c (options, clocks, spinning, CPU
  * pinning, statistics, histograms, system call and memory readings, shared
  * by every workload), subjects.c (the locks under test and the keys),
- * uncontended.c, contended.c (throughput, fairness, hand-off), memory.c
+ * uncontended.c, contended.c (throughput, fairness, hand-off), rwlock.c
+ * (readers and writers on one key, against pthread_rwlock_t), memory.c
  * (keys and memory), providers.c ("keylock-bench provider"), report.c
  * (targets, text report), output.c (JSON, SVG plot) and main.c (options,
  * the order of the run).  This header holds what they share.
@@ -291,6 +292,20 @@ struct hres {
 };
 
 /* ------------------------------------------------------------------ */
+/* Readers/writers: kl_lock with KL_SHARED against pthread_rwlock_t     */
+
+enum { RW_KL, RW_PTHREAD, RW_KINDS };
+
+struct rwres {
+	double *tput;         /* per repetition */
+	struct hist h[2];     /* waits: [0] shared, [1] exclusive */
+	uint64_t ops;
+	struct hist passed;   /* grants while a writer waited, per writer */
+	int max_readers;      /* most readers inside at once */
+	long violations;
+};
+
+/* ------------------------------------------------------------------ */
 /* Targets                                                             */
 
 /* V_INFO: a figure shown against a limit for reference, never judged. */
@@ -307,7 +322,7 @@ struct target {
 	bool stretch_met;
 };
 
-#define MAXTARGETS 24
+#define MAXTARGETS 28
 
 /* The functions and variables the files share, by file. */
 
@@ -400,6 +415,15 @@ extern const enum kind hand_kinds[];
 extern const char *const hand_mode[2];
 extern struct hres hres[NHAND][2];
 void run_handoff_all(void);
+
+/* rwlock.c */
+extern const char *const rw_kind_name[RW_KINDS];
+extern const char *const rw_kind_label[RW_KINDS];
+extern struct rwres rwres[RW_KINDS];
+extern double rw_ratio; /* kl_lock / pthread_rwlock, median of runs */
+extern size_t rw_left;  /* keys left in its provider after the runs */
+extern const int rw_threads, rw_shared_percent, rw_work_ns;
+void run_rwlock(void);
 
 /* report.c */
 extern const char *const verdict_name[];

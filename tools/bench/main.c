@@ -30,8 +30,8 @@ usage(void)
 {
 	printf("Usage: %s [options]\n\n"
 	       "Measure keylock against a pthread mutex, a striped mutex "
-	       "table and a\nstrict-FIFO baseline in one process, and judge "
-	       "the ratios against targets.\n\n"
+	       "table, a\nstrict-FIFO baseline and a pthread_rwlock_t in one "
+	       "process, and judge the\nratios against targets.\n\n"
 	       "Options:\n"
 	       "  -q, --quick          a seconds-long smoke pass; never "
 	       "judges speed\n"
@@ -236,12 +236,13 @@ main(int argc, char **argv)
 	run_memory();
 	run_contended_all();
 	run_handoff_all();
+	run_rwlock();
 	run_syscalls();
 	evaluate();
 	read_load(load_after, sizeof load_after);
 
 	broken = total_violations != 0 || mem.size_held != opt.nkeys ||
-		 mem.size_after != 0 ||
+		 mem.size_after != 0 || rw_left != 0 ||
 		 kl_memory_provider_size(subjects[K_KL_LOCK].prov) != 0;
 	for (int i = 0; i < ntargets; i++)
 		missed |= targets[i].v == V_MISS;
@@ -264,7 +265,7 @@ main(int argc, char **argv)
 	if (broken) {
 		fprintf(stderr, PROG ": a lock invariant broke (%ld mutual "
 				"exclusion violations, %zu keys left)\n",
-			total_violations, mem.size_after);
+			total_violations, mem.size_after + rw_left);
 		return EXIT_BROKEN;
 	}
 	if (plot_failed)

@@ -152,7 +152,41 @@ print_json(void)
 			jnum(h->max);
 			printf("}%s\n", m == 1 && k == NHAND - 1 ? "" : ",");
 		}
-	printf("  ],\n  \"syscalls\": {\"method\": \"%s\", "
+	printf("  ],\n  \"readers_writers\": {\"threads\": %d, "
+	       "\"shared_percent\": %d, \"section_ns\": %d, "
+	       "\"kl_lock_x_rwlock\": ",
+	       rw_threads, rw_shared_percent, rw_work_ns);
+	jnum(rw_ratio);
+	fputs(", \"locks\": [\n", stdout);
+	for (int k = 0; k < RW_KINDS; k++) {
+		struct rwres *r = &rwres[k];
+
+		printf("    {\"lock\": \"%s\", ", rw_kind_name[k]);
+		jsummary("ops_per_s", r->tput, opt.runs);
+		for (int m = 0; m < 2; m++) {
+			printf(", \"wait_ns_%s\": {\"p50\": ",
+			       m ? "exclusive" : "shared");
+			jnum(hist_pct(&r->h[m], 0.50));
+			fputs(", \"p99\": ", stdout);
+			jnum(hist_pct(&r->h[m], 0.99));
+			fputs(", \"max\": ", stdout);
+			jnum((double)r->h[m].max);
+			printf(", \"samples\": %llu}",
+			       (unsigned long long)r->h[m].count);
+		}
+		fputs(", \"granted_while_writer_waited\": {\"p50\": ",
+		      stdout);
+		jnum(hist_pct(&r->passed, 0.50));
+		fputs(", \"p99\": ", stdout);
+		jnum(hist_pct(&r->passed, 0.99));
+		printf(", \"max\": %lld}, "
+		       "\"max_readers_inside\": %d, \"operations\": %llu, "
+		       "\"violations\": %ld}%s\n",
+		       (long long)r->passed.max, r->max_readers,
+		       (unsigned long long)r->ops, r->violations,
+		       k + 1 < RW_KINDS ? "," : "");
+	}
+	printf("  ]},\n  \"syscalls\": {\"method\": \"%s\", "
 	       "\"uncontended\": [\n",
 	       sysm.method);
 	for (int i = 0; i < NSYSU; i++) {

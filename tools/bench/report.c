@@ -144,6 +144,9 @@ evaluate(void)
 	snprintf(name, sizeof name, "same, CPU hog (%s)", worst_fair_at);
 	target(name, v, true, 1.10, NAN, "x");
 	targets[ntargets - 1].v = isnan(v) ? V_NA : V_INFO;
+	snprintf(name, sizeof name, "%d thr %d%% shared: kl_lock / rwlock",
+		 rw_threads, rw_shared_percent);
+	target(name, rw_ratio, false, 0.5, NAN, "x");
 	target("hand-off p50 sleeping: kl_lock / fifo",
 	       paired_ratio(hres[3][0].p50, hres[1][0].p50, opt.runs), true,
 	       1.0, NAN, "x");
@@ -328,6 +331,38 @@ print_table(void)
 			       fmt(f, sizeof f, s99.max / 1e3),
 			       fmt(g, sizeof g, h->max / 1e3));
 		}
+
+	printf("\nReaders/writers, one key, %d threads, %d%% shared / %d%% "
+	       "exclusive requests,\n%d ns sections, nothing between; every "
+	       "wait timed (us); \"passed\" = requests\ngranted while one "
+	       "writer waited, p99 and max over the writers (strict FIFO:\n"
+	       "about threads - 1, more when the scheduler preempts a writer "
+	       "as it asks)\n",
+	       rw_threads, rw_shared_percent, 100 - rw_shared_percent,
+	       rw_work_ns);
+	printf("  %-18s %9s %9s %9s %6s %7s %7s %7s %7s %6s %6s %4s %4s\n",
+	       "lock", "ops/s", "min", "max", "x rw", "rd p99", "rd max",
+	       "wr p99", "wr max", "passed", "max", "rd", "viol");
+	for (int k = 0; k < RW_KINDS; k++) {
+		struct rwres *r = &rwres[k];
+		struct summary s = summarize(r->tput, opt.runs);
+		char h[32], i[32], j[32];
+
+		printf("  %-18s %9s %9s %9s %6s %7s %7s %7s %7s %6s %6s %4d "
+		       "%4ld\n",
+		       rw_kind_label[k], fmt(a, sizeof a, s.med),
+		       fmt(b, sizeof b, s.min), fmt(c, sizeof c, s.max),
+		       fmt(d, sizeof d,
+			   paired_ratio(r->tput, rwres[RW_PTHREAD].tput,
+					opt.runs)),
+		       fmt(e, sizeof e, hist_pct(&r->h[0], 0.99) / 1e3),
+		       fmt(f, sizeof f, (double)r->h[0].max / 1e3),
+		       fmt(g, sizeof g, hist_pct(&r->h[1], 0.99) / 1e3),
+		       fmt(h, sizeof h, (double)r->h[1].max / 1e3),
+		       fmt(i, sizeof i, hist_pct(&r->passed, 0.99)),
+		       fmt(j, sizeof j, (double)r->passed.max), r->max_readers,
+		       r->violations);
+	}
 
 	printf("\nSystem calls (%s)\n", sysm.method);
 	printf("  %-34s %9s %9s %9s %9s\n", "uncontended, per pair", "futex",

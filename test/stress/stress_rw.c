@@ -1,0 +1,376 @@
+/* SPDX-License-Identifier: MIT */
+/*
+ * Stress: readers and writers of the memory provider (KL_SHARED, the W3C
+ * Web Locks rule: one FIFO queue per key for both modes).
+ *
+ * Readers take two keys (one that lives in a slot, one chained) with
+ * KL_SHARED, writers exclusively, through kl_lock_run and kl_lock_acquire,
+ * waiting forever, trying once, with 1 ms timeouts and with cancel tokens
+ * that other threads fire or that fire by themselves, so that queued
+ * writers leave from between queued readers.  Inside, each counts itself
+ * in its key's counters and checks:
+ * - exclusion: never a writer together with anyone (a writer sees itself
+ *   alone; a reader sees no writer);
+ * - fences: a writer's fence is above every fence granted before it (the
+ *   largest any holder saw), a reader's above the last writer's.
+ * The test starts with every reader holding the first key at once (all
+ * inside together, which an exclusive-only provider cannot do), and ends
+ * only when every writer has had its quota of grants while the readers kept
+ * coming: no writer starves behind readers.  It asserts on counts, never on
+ * times (the bounds are hang guards).  Then the provider is empty and its
+ * invariants hold (also checked now and then during the run).
+ */
+#ifdef HAVE_CONFIG_H
+#include "config.h"
+#endif
+
+#include <check.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "internal.h" /* kl__test_check_invariants */
+#include "keylock.h"
+#include "stress.h"
+
+#define READERS 6
+#define WRITERS 3
+#define NKEYS 2
+#define CHECK_EVERY 256
+/* Writer grants each writer must get, before scaling. */
+#define WRITER_QUOTA 20000
+
+static const char *const key_names[NKEYS] = {
+	"rw:slot", "rw: a key too long to live in a slot"
+};
+
+struct rw_key {
+	atomic_int readers, writers;
+	atomic_ulong max_fence;  /* the largest fence any holder saw */
+	atomic_ulong last_write; /* the fence of the latest writer */
+	atomic_long reads, writes;
+	atomic_int max_readers; /* most readers seen inside together */
+};
+
+struct rw {
+	kl_provider *p;
+	kl_lock *r_forever, *r_once, *r_timed;
+	kl_lock *w_forever, *w_once, *w_timed;
+	struct rw_key keys[NKEYS];
+	struct st_slot slots[WRITERS];
+	long quota;
+	atomic_int start_inside; /* readers inside the first key at start */
+	atomic_bool started;     /* writers may start */
+	atomic_int writers_done;
+	atomic_bool stop;
+	atomic_long violations, fence_errors, errors, invariant_errors;
+	atomic_long timeouts, cancels;
+};
+
+struct rw_worker {
+	struct rw *x;
+	int idx;
+	bool writer;
+	pthread_t th;
+	struct rw_key *cur;
+	uint64_t fence;
+	long grants;
+};
+
+static void
+fence_max(atomic_ulong *v, uint64_t f)
+{
+	unsigned long old = atomic_load(v);
+
+	while (old < f && !atomic_compare_exchange_weak(v, &old, f))
+		;
+}
+
+/* The section of a reader (writer false) or a writer on k, with the fence
+ * of its grant (0: not known, through kl_lock_run). */
+static void
+inside(struct rw *x, struct rw_key *k, bool writer, uint64_t fence)
+{
+	if (writer) {
+		if (atomic_fetch_add(&k->writers, 1) != 0 ||
+		    atomic_load(&k->readers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		if (fence != 0) {
+			if (fence <= atomic_load(&k->max_fence))
+				atomic_fetch_add(&x->fence_errors, 1);
+			atomic_store(&k->last_write, fence);
+		}
+	} else {
+		int n = atomic_fetch_add(&k->readers, 1) + 1, m;
+
+		if (atomic_load(&k->writers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		if (fence != 0 && fence <= atomic_load(&k->last_write))
+			atomic_fetch_add(&x->fence_errors, 1);
+		m = atomic_load(&k->max_readers);
+		while (n > m &&
+		       !atomic_compare_exchange_weak(&k->max_readers, &m, n))
+			;
+	}
+	if (fence != 0)
+		fence_max(&k->max_fence, fence);
+	sched_yield(); /* let others come and queue meanwhile */
+	if (writer) {
+		if (atomic_load(&k->readers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		atomic_fetch_add(&k->writes, 1);
+		atomic_fetch_sub(&k->writers, 1);
+	} else {
+		if (atomic_load(&k->writers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		atomic_fetch_add(&k->reads, 1);
+		atomic_fetch_sub(&k->readers, 1);
+	}
+}
+
+static int
+run_fn(void *arg)
+{
+	struct rw_worker *w = arg;
+
+	inside(w->x, w->cur, w->writer, 0);
+	return 0;
+}
+
+static bool
+all_readers_inside(void *arg)
+{
+	struct rw *x = arg;
+
+	return atomic_load(&x->start_inside) == READERS;
+}
+
+/* One acquisition of a random key in a random way; counts outcomes. */
+static void
+one_op(struct rw_worker *w, struct st_rng *r, long i)
+{
+	struct rw *x = w->x;
+	int k = (int)st_below(r, NKEYS);
+	kl_call call = { .key = key_names[k], .cancel = NULL };
+	unsigned how = (unsigned)st_below(r, 8);
+	kl_lease *lease = NULL;
+	kl_lock *l;
+	int rc;
+
+	w->cur = &x->keys[k];
+	if (how < 3) {
+		l = w->writer ? x->w_forever : x->r_forever;
+		rc = kl_lock_run(l, &call, run_fn, w, NULL, NULL);
+		if (rc == KL_OK)
+			w->grants++;
+		else
+			atomic_fetch_add(&x->errors, 1);
+		return;
+	}
+	if (how == 3)
+		l = w->writer ? x->w_once : x->r_once;
+	else if (how == 4)
+		l = w->writer ? x->w_timed : x->r_timed;
+	else
+		l = w->writer ? x->w_forever : x->r_forever;
+	/* Writers wait with tokens (that readers fire, or that fire by
+	 * themselves), so that queued writers leave from before readers. */
+	if (w->writer && how >= 5)
+		call.cancel = st_slot_token(&x->slots[w->idx], r);
+	if (!w->writer && how == 7)
+		st_slot_fire(&x->slots[st_below(r, WRITERS)]);
+	rc = kl_lock_acquire(l, &call, &lease, NULL);
+	if (rc == KL_ETIMEDOUT) {
+		atomic_fetch_add(&x->timeouts, 1);
+		return;
+	}
+	if (rc == KL_ECANCELED) {
+		atomic_fetch_add(&x->cancels, 1);
+		return;
+	}
+	if (rc != KL_OK) {
+		atomic_fetch_add(&x->errors, 1);
+		return;
+	}
+	inside(x, w->cur, w->writer, kl_lease_fence(lease));
+	if (i % CHECK_EVERY == CHECK_EVERY - 1 &&
+	    kl__test_check_invariants(x->p) != KL_OK)
+		atomic_fetch_add(&x->invariant_errors, 1);
+	kl_lease_release(lease);
+	w->grants++;
+}
+
+static void *
+reader_main(void *arg)
+{
+	struct rw_worker *w = arg;
+	struct rw *x = w->x;
+	kl_call call = { .key = key_names[0], .cancel = NULL };
+	kl_lease *lease = NULL;
+	struct st_rng r;
+	long i = 0;
+
+	st_rng_init(&r, 0x5200 + (uint64_t)w->idx);
+	/* Every reader holds the first key at once before anything else. */
+	if (kl_lock_acquire(x->r_forever, &call, &lease, NULL) != KL_OK) {
+		atomic_fetch_add(&x->errors, 1);
+	} else {
+		atomic_fetch_add(&x->start_inside, 1);
+		if (!st_poll(all_readers_inside, x, 20000 * st_slow()))
+			atomic_fetch_add(&x->errors, 1);
+		kl_lease_release(lease);
+	}
+	/* Readers keep coming until every writer had its quota. */
+	while (!atomic_load(&x->stop))
+		one_op(w, &r, i++);
+	return NULL;
+}
+
+static bool
+rw_started(void *arg)
+{
+	return atomic_load(&((struct rw *)arg)->started);
+}
+
+static void *
+writer_main(void *arg)
+{
+	struct rw_worker *w = arg;
+	struct rw *x = w->x;
+	struct st_rng r;
+	long i = 0;
+
+	st_rng_init(&r, 0x5700 + (uint64_t)w->idx);
+	if (!st_poll(rw_started, x, 60000 * st_slow()))
+		atomic_fetch_add(&x->errors, 1);
+	while (w->grants < x->quota && !atomic_load(&x->stop))
+		one_op(w, &r, i++);
+	atomic_fetch_add(&x->writers_done, 1);
+	return NULL;
+}
+
+static bool
+writers_finished(void *arg)
+{
+	return atomic_load(&((struct rw *)arg)->writers_done) == WRITERS;
+}
+
+static kl_lock *
+rw_lock(kl_provider *p, unsigned flags, int64_t timeout_ms)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	o.provider = p;
+	o.flags = flags;
+	o.timeout_ms = timeout_ms;
+	st_assert(kl_lock_new(&l, &o) == KL_OK, "kl_lock_new");
+	return l;
+}
+
+START_TEST(test_readers_writers)
+{
+	static struct rw x;
+	static struct rw_worker w[READERS + WRITERS];
+	long reads = 0, writes = 0, wgrants = 0;
+	bool done;
+
+	st_begin("readers and writers: exclusion, fences, no starvation");
+	memset(&x, 0, sizeof x);
+	memset(w, 0, sizeof w);
+	x.quota = st_scaled(WRITER_QUOTA, 1, 50);
+	st_assert(kl_memory_provider_new(&x.p) == KL_OK, "provider");
+	x.r_forever = rw_lock(x.p, KL_SHARED, KL_FOREVER);
+	x.r_once = rw_lock(x.p, KL_SHARED, 0);
+	x.r_timed = rw_lock(x.p, KL_SHARED, 1);
+	x.w_forever = rw_lock(x.p, 0, KL_FOREVER);
+	x.w_once = rw_lock(x.p, 0, 0);
+	x.w_timed = rw_lock(x.p, 0, 1);
+	for (int i = 0; i < WRITERS; i++)
+		st_slot_init(&x.slots[i]);
+	for (int i = 0; i < READERS + WRITERS; i++) {
+		w[i].x = &x;
+		w[i].writer = i >= READERS;
+		w[i].idx = w[i].writer ? i - READERS : i;
+		st_thread_start(&w[i].th, 0,
+				w[i].writer ? writer_main : reader_main, &w[i]);
+	}
+	/* The writers start once every reader held the first key at once. */
+	done = st_poll(all_readers_inside, &x, 20000 * st_slow());
+	atomic_store(&x.started, true);
+	if (done)
+		done = st_poll(writers_finished, &x, 300000 * st_slow());
+	atomic_store(&x.stop, true);
+	for (int i = 0; i < WRITERS; i++)
+		st_slot_fire(&x.slots[i]);
+	for (int i = 0; i < READERS + WRITERS; i++) {
+		st_thread_join(w[i].th);
+		if (w[i].writer)
+			wgrants += w[i].grants;
+	}
+	for (int k = 0; k < NKEYS; k++) {
+		reads += atomic_load(&x.keys[k].reads);
+		writes += atomic_load(&x.keys[k].writes);
+	}
+	st_note("%d readers, %d writers x %ld grants: %ld reads, %ld writes, "
+		"%ld timeouts, %ld cancels, most readers together %d/%d, "
+		"%ld violations, %ld fence errors, %ld errors",
+		READERS, WRITERS, x.quota, reads, writes,
+		atomic_load(&x.timeouts), atomic_load(&x.cancels),
+		atomic_load(&x.keys[0].max_readers),
+		atomic_load(&x.keys[1].max_readers),
+		atomic_load(&x.violations), atomic_load(&x.fence_errors),
+		atomic_load(&x.errors));
+	st_assert(atomic_load(&x.start_inside) == READERS,
+		  "only %d of %d readers held the key together",
+		  atomic_load(&x.start_inside), READERS);
+	st_assert(done, "the writers did not all get their %ld grants while "
+			"readers kept coming (%ld writer grants)",
+		  x.quota, wgrants);
+	st_assert(atomic_load(&x.violations) == 0,
+		  "%ld times a writer was not alone",
+		  atomic_load(&x.violations));
+	st_assert(atomic_load(&x.fence_errors) == 0,
+		  "%ld fences did not grow past earlier grants",
+		  atomic_load(&x.fence_errors));
+	st_assert(atomic_load(&x.errors) == 0, "%ld unexpected statuses",
+		  atomic_load(&x.errors));
+	st_assert(wgrants == writes, "%ld writer grants, %ld counted inside",
+		  wgrants, writes);
+	st_assert(kl_memory_provider_size(x.p) == 0,
+		  "provider keeps %zu keys", kl_memory_provider_size(x.p));
+	if (kl__test_check_invariants(x.p) != KL_OK)
+		atomic_fetch_add(&x.invariant_errors, 1);
+	st_assert(atomic_load(&x.invariant_errors) == 0,
+		  "%ld invariant checks failed (see stderr)",
+		  atomic_load(&x.invariant_errors));
+	for (int i = 0; i < WRITERS; i++)
+		st_slot_fini(&x.slots[i]);
+	kl_lock_free(x.r_forever);
+	kl_lock_free(x.r_once);
+	kl_lock_free(x.r_timed);
+	kl_lock_free(x.w_forever);
+	kl_lock_free(x.w_once);
+	kl_lock_free(x.w_timed);
+	kl_provider_free(x.p);
+}
+END_TEST
+
+static Suite *
+rw_suite(void)
+{
+	Suite *s = suite_create("stress_rw");
+	TCase *tc = tcase_create("readers_writers");
+
+	tcase_set_timeout(tc, ST_TIMEOUT);
+	tcase_add_test(tc, test_readers_writers);
+	suite_add_tcase(s, tc);
+	return s;
+}
+
+int
+main(void)
+{
+	return st_run(rw_suite());
+}
