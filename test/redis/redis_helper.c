@@ -8,6 +8,8 @@
  *	acquires KEY with a ttl of TTL_MS, writes "G <fence>" on stdout, then
  *	keeps the key (renewed by the provider) until a line or end of file
  *	arrives on stdin, releases, writes "R", exits 0.
+ *   redis_helper holdshared URI KEY TTL_MS
+ *	as hold, with KEY taken shared (KL_SHARED).
  *   redis_helper wait URI KEY TIMEOUT_MS
  *	acquires KEY waiting at most TIMEOUT_MS, writes "G <fence>",
  *	releases, exits 0.  The suite kills it while it waits.
@@ -32,6 +34,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +67,7 @@ static int
 usage(void)
 {
 	fprintf(stderr, "usage: redis_helper hold URI KEY TTL_MS\n"
+			"       redis_helper holdshared URI KEY TTL_MS\n"
 			"       redis_helper wait URI KEY TIMEOUT_MS\n"
 			"       redis_helper mutex URI KEY FILE THREADS "
 			"ITERS\n");
@@ -82,10 +86,11 @@ number(const char *s)
 }
 
 static int
-make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms)
+make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms, unsigned flags)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 
+	o.flags = flags;
 	o.provider = g_provider;
 	o.key = g_key;
 	o.timeout_ms = timeout_ms;
@@ -102,7 +107,7 @@ mutex_main(void *arg)
 	kl_error err;
 	int rc;
 
-	if (make_lock(&l, HELPER_TIMEOUT_MS, 0) != KL_OK) {
+	if (make_lock(&l, HELPER_TIMEOUT_MS, 0, 0) != KL_OK) {
 		atomic_store(&g_failed, 1);
 		return NULL;
 	}
@@ -174,6 +179,7 @@ main(int argc, char **argv)
 	kl_error err;
 	char buf[64];
 	long v;
+	bool hold;
 	int rc;
 
 #if defined(__linux__)
@@ -194,15 +200,18 @@ main(int argc, char **argv)
 		kl_provider_free(g_provider);
 		return rc;
 	}
+	hold = strcmp(argv[1], "hold") == 0 ||
+	       strcmp(argv[1], "holdshared") == 0;
 	if (argc != 5 || (v = number(argv[4])) < 0 ||
-	    (strcmp(argv[1], "hold") != 0 && strcmp(argv[1], "wait") != 0)) {
+	    (!hold && strcmp(argv[1], "wait") != 0)) {
 		kl_provider_free(g_provider);
 		return usage();
 	}
-	if (strcmp(argv[1], "hold") == 0)
-		rc = make_lock(&l, HELPER_TIMEOUT_MS, v);
+	if (hold)
+		rc = make_lock(&l, HELPER_TIMEOUT_MS, v,
+			       argv[1][4] == 's' ? KL_SHARED : 0);
 	else
-		rc = make_lock(&l, v, 0);
+		rc = make_lock(&l, v, 0, 0);
 	if (rc == KL_OK)
 		rc = kl_lock_acquire(l, NULL, &lease, &err);
 	if (rc != KL_OK) {
@@ -212,7 +221,7 @@ main(int argc, char **argv)
 		return 3;
 	}
 	printf("G %" PRIu64 "\n", kl_lease_fence(lease));
-	if (strcmp(argv[1], "hold") == 0) {
+	if (hold) {
 		/* Held until the test says so or goes away. */
 		while (read(STDIN_FILENO, buf, sizeof buf) < 0 &&
 		       errno == EINTR)
