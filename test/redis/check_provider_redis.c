@@ -824,6 +824,7 @@ END_TEST
 
 struct shared {
 	volatile int64_t owner, count, violations;
+	int64_t readers, max_readers, reads; /* redis_helper rw */
 };
 
 START_TEST(test_mutual_exclusion_processes)
@@ -1416,6 +1417,66 @@ START_TEST(test_shared_fences_mixed)
 	}
 	kl_provider_free(p[0]);
 	kl_provider_free(p[1]);
+}
+END_TEST
+
+/* 4 processes of 4 threads, two thirds of their acquires shared: no
+ * shared holder ever meets an exclusive one, no exclusive one meets
+ * anybody, and every section ran. */
+START_TEST(test_shared_exclusion_processes)
+{
+	char uri[1024], file[] = "/tmp/kl-redis-rw.XXXXXX", iters[16];
+	const char *args[7];
+	struct test_helper h[4];
+	struct shared *sh;
+	long n = kl_test_scaled(24, 6);
+	kl_provider *p;
+	int fd;
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	fd = mkstemp(file);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, 4096), 0);
+	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	ck_assert(sh != MAP_FAILED);
+	close(fd);
+	snprintf(iters, sizeof iters, "%ld", n);
+	args[0] = "rw";
+	args[1] = uri;
+	args[2] = "rw";
+	args[3] = file;
+	args[4] = "4";
+	args[5] = iters;
+	args[6] = NULL;
+	for (int i = 0; i < 4; i++)
+		helper_spawn(&h[i], args);
+	for (int i = 0; i < 4; i++) {
+		char line[300] = "";
+		int st = helper_reap(&h[i]);
+
+		if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+			ck_abort_msg("helper %d: status 0x%x: %s", i,
+				     (unsigned)st,
+				     read(h[i].from, line, sizeof line - 1) >
+						     0
+					     ? line
+					     : "");
+		}
+	}
+	ck_assert_int_eq(sh->violations, 0);
+	ck_assert_int_eq(sh->count + sh->reads, 16 * n);
+	ck_assert_int_gt(sh->count, 0);
+	ck_assert_int_gt(sh->reads, 0);
+	printf("shared/exclusive across 4 processes: %lld exclusive, %lld "
+	       "shared sections, at most %lld shared holders at once\n",
+	       (long long)sh->count, (long long)sh->reads,
+	       (long long)sh->max_readers);
+	munmap(sh, sizeof *sh);
+	unlink(file);
+	p = open_default();
+	test_assert_status(p, "rw", 0, 0);
+	kl_provider_free(p);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
 }
 END_TEST
 
@@ -2312,6 +2373,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_holder_expires);
 	tcase_add_test(tc, test_shared_try_once);
 	tcase_add_test(tc, test_shared_fences_mixed);
+	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);

@@ -13,6 +13,11 @@
  *   redis_helper wait URI KEY TIMEOUT_MS
  *	acquires KEY waiting at most TIMEOUT_MS, writes "G <fence>",
  *	releases, exits 0.  The suite kills it while it waits.
+ *   redis_helper rw URI KEY FILE THREADS ITERS
+ *	as mutex, but every third acquire of a thread is exclusive and the
+ *	others are shared (KL_SHARED): a shared holder checks that no
+ *	exclusive one is inside, an exclusive one that nobody is; the record
+ *	also counts the shared holders inside at once.
  *   redis_helper mutex URI KEY FILE THREADS ITERS
  *	THREADS threads each acquire KEY ITERS times; inside the critical
  *	section each checks and bumps a record shared through FILE (mmap):
@@ -55,6 +60,9 @@ struct shared {
 	volatile int64_t owner; /* 0: nobody inside */
 	volatile int64_t count;
 	volatile int64_t violations;
+	/* rw only: shared holders inside now (atomic), the most seen at
+	 * once, and shared sections run. */
+	int64_t readers, max_readers, reads;
 };
 
 static kl_provider *g_provider;
@@ -70,7 +78,8 @@ usage(void)
 			"       redis_helper holdshared URI KEY TTL_MS\n"
 			"       redis_helper wait URI KEY TIMEOUT_MS\n"
 			"       redis_helper mutex URI KEY FILE THREADS "
-			"ITERS\n");
+			"ITERS\n"
+			"       redis_helper rw URI KEY FILE THREADS ITERS\n");
 	return 2;
 }
 
@@ -98,40 +107,75 @@ make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms, unsigned flags)
 	return kl_lock_new(l, &o);
 }
 
+static bool g_rw; /* rw rather than mutex */
+
+/* One shared section of rw: no exclusive holder may be inside. */
+static void
+reader_section(void)
+{
+	int64_t n = __atomic_add_fetch(&g_shared->readers, 1,
+				       __ATOMIC_SEQ_CST);
+	int64_t m = __atomic_load_n(&g_shared->max_readers, __ATOMIC_SEQ_CST);
+
+	while (n > m && !__atomic_compare_exchange_n(&g_shared->max_readers,
+						     &m, n, false,
+						     __ATOMIC_SEQ_CST,
+						     __ATOMIC_SEQ_CST))
+		;
+	if (__atomic_load_n(&g_shared->owner, __ATOMIC_SEQ_CST) != 0)
+		__atomic_add_fetch(&g_shared->violations, 1, __ATOMIC_SEQ_CST);
+	sched_yield();
+	if (__atomic_load_n(&g_shared->owner, __ATOMIC_SEQ_CST) != 0)
+		__atomic_add_fetch(&g_shared->violations, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&g_shared->reads, 1, __ATOMIC_SEQ_CST);
+	__atomic_sub_fetch(&g_shared->readers, 1, __ATOMIC_SEQ_CST);
+}
+
 static void *
 mutex_main(void *arg)
 {
 	int64_t me = (int64_t)(intptr_t)arg;
-	kl_lock *l = NULL;
+	kl_lock *l = NULL, *ls = NULL;
 	kl_lease *lease;
 	kl_error err;
 	int rc;
 
-	if (make_lock(&l, HELPER_TIMEOUT_MS, 0, 0) != KL_OK) {
+	if (make_lock(&l, HELPER_TIMEOUT_MS, 0, 0) != KL_OK ||
+	    (g_rw && make_lock(&ls, HELPER_TIMEOUT_MS, 0, KL_SHARED) != KL_OK)) {
 		atomic_store(&g_failed, 1);
+		kl_lock_free(l);
 		return NULL;
 	}
 	for (long i = 0; i < g_iters; i++) {
+		bool sh = g_rw && (i + me) % 3 != 0;
 		int64_t c;
 
-		rc = kl_lock_acquire(l, NULL, &lease, &err);
+		rc = kl_lock_acquire(sh ? ls : l, NULL, &lease, &err);
 		if (rc != KL_OK) {
 			printf("E %d %s\n", rc, err.message);
 			atomic_store(&g_failed, 1);
 			break;
 		}
-		if (g_shared->owner != 0)
+		if (sh) {
+			reader_section();
+			kl_lease_release(lease);
+			continue;
+		}
+		if (g_shared->owner != 0 ||
+		    __atomic_load_n(&g_shared->readers, __ATOMIC_SEQ_CST) != 0)
 			g_shared->violations++;
 		g_shared->owner = me;
 		c = g_shared->count;
 		sched_yield();
 		g_shared->count = c + 1;
-		if (g_shared->owner != me)
+		if (g_shared->owner != me ||
+		    __atomic_load_n(&g_shared->readers, __ATOMIC_SEQ_CST) != 0)
 			g_shared->violations++;
 		g_shared->owner = 0;
 		kl_lease_release(lease);
 	}
 	kl_lock_free(l);
+	kl_lock_free(ls);
 	return NULL;
 }
 
@@ -194,7 +238,9 @@ main(int argc, char **argv)
 		return 3;
 	}
 	g_key = argv[3];
-	if (strcmp(argv[1], "mutex") == 0 && argc == 7) {
+	if ((strcmp(argv[1], "mutex") == 0 || strcmp(argv[1], "rw") == 0) &&
+	    argc == 7) {
+		g_rw = argv[1][0] == 'r';
 		g_iters = number(argv[6]);
 		rc = run_mutex(argv[4], number(argv[5]));
 		kl_provider_free(g_provider);
