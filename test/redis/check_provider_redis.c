@@ -2087,6 +2087,37 @@ START_TEST(test_stalled_late_grant)
 }
 END_TEST
 
+/* The same with a shared request: a shared grant the stalled server makes
+ * to an acquire that gave up is undone too, or it would keep an exclusive
+ * request out for its whole ttl (20 s). */
+START_TEST(test_stalled_late_shared_grant)
+{
+	kl_provider *p = open_opts("restart_guard=0&ttl=20s"), *q;
+	struct hold h, t;
+	kl_error err;
+	int rc;
+
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	rc = take_flags(p, "lates", 300, 0, NULL, KL_SHARED, &h, &err);
+	ck_assert_msg(rc == KL_EPROVIDER || rc == KL_ETIMEDOUT, "%s: %s",
+		      kl_strerror(rc), err.message);
+	hold_free(&h);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+
+	q = open_default();
+	rc = take(q, "lates", 5000, 0, NULL, &t, &err);
+	ck_assert_msg(rc == KL_OK, "the key is still held shared: %s: %s",
+		      kl_strerror(rc), err.message);
+	test_assert_status(q, "lates", 1, 0);
+	hold_free(&t);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A waiter that gave up against a stalled server leaves the queue when the
  * server resumes, rather than block the waiters behind it for its
  * heartbeat (10 s here, more than the next acquire waits). */
@@ -2391,6 +2422,7 @@ provider_redis_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, resume_server);
 	tcase_add_test(tc, test_stalled_server);
 	tcase_add_test(tc, test_stalled_late_grant);
+	tcase_add_test(tc, test_stalled_late_shared_grant);
 	tcase_add_test(tc, test_stalled_waiter_leaves);
 	tcase_add_test(tc, test_stalled_timeout_bound);
 	tcase_add_test(tc, test_restart);
