@@ -6,9 +6,9 @@
  * redis_pool.c, redis_guard.c, redis_wait.c and redis_renew.c are the
  * client side.
  *
- * Acquire: one atomic script per attempt either grants the key (the caller
- * is the first live waiter, or nobody live waits) or puts the caller's
- * random token in the key's queue.  A queued waiter then blocks on its own
+ * Acquire: one atomic script per attempt either grants the key, exclusive
+ * or shared (KL_SHARED), by the W3C Web Locks rule on the key's one queue
+ * (see redis_scripts.c), or puts the caller's random token in that queue.  A queued waiter then blocks on its own
  * connection in BLPOP on its wake list, in slices of WAKE_SLICE_MS so that
  * a fired cancel token or its deadline is noticed quickly, and tries again
  * when woken or every recheck interval, which also refreshes its heartbeat.
