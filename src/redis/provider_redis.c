@@ -6,9 +6,9 @@
  * redis_pool.c, redis_guard.c, redis_wait.c and redis_renew.c are the
  * client side.
  *
- * Acquire: one atomic script per attempt either grants the key (the caller
- * is the first live waiter, or nobody live waits) or puts the caller's
- * random token in the key's queue.  A queued waiter then blocks on its own
+ * Acquire: one atomic script per attempt either grants the key, exclusive
+ * or shared (KL_SHARED), by the W3C Web Locks rule on the key's one queue
+ * (see redis_scripts.c), or puts the caller's random token in that queue.  A queued waiter then blocks on its own
  * connection in BLPOP on its wake list, in slices of WAKE_SLICE_MS so that
  * a fired cancel token or its deadline is noticed quickly, and tries again
  * when woken or every recheck interval, which also refreshes its heartbeat.
@@ -66,14 +66,14 @@ names_free(struct kl__rnames *n)
 	n->buf = NULL;
 }
 
-/* PREFIX{sha256(key)} and its companions; the wake list needs tok. */
+/* PREFIX{hex} and its companions; the wake list needs tok. */
 static int
-names_make(const struct kl__redis *r, const char *key, size_t key_len,
-	   const char *tok, struct kl__rnames *n)
+names_of_hex(const struct kl__redis *r, const char *hex, const char *tok,
+	     struct kl__rnames *n)
 {
-	static const char *const suffix[KL_RK_COUNT] = { "", ":q", ":hb", ":f",
-							 ":w:" };
-	char hex[65];
+	static const char *const suffix[KL_RK_COUNT] = {
+		"", ":q", ":hb", ":f", ":s", ":sm", ":w:"
+	};
 	size_t base = r->conf.prefix_len + 66, total = 0, toklen;
 	char *p;
 	int i;
@@ -84,7 +84,6 @@ names_make(const struct kl__redis *r, const char *key, size_t key_len,
 	total += toklen;
 	if ((n->buf = malloc(total)) == NULL)
 		return KL_ENOMEM;
-	kl__redis_sha256_hex(key, key_len, hex);
 	p = n->buf;
 	for (i = 0; i < KL_RK_COUNT; i++) {
 		size_t sl = strlen(suffix[i]);
@@ -108,13 +107,27 @@ names_make(const struct kl__redis *r, const char *key, size_t key_len,
 	return KL_OK;
 }
 
+/* PREFIX{sha256(key)} and its companions. */
+static int
+names_make(const struct kl__redis *r, const char *key, size_t key_len,
+	   const char *tok, struct kl__rnames *n)
+{
+	char hex[65];
+
+	kl__redis_sha256_hex(key, key_len, hex);
+	return names_of_hex(r, hex, tok, n);
+}
+
+/* A shared request's token starts with "s", which no exclusive token (hex
+ * digits) does: the scripts read the mode from it. */
 static int
 lease_new(struct kl__redis *r, const char *key, size_t key_len, int64_t ttl_ms,
-	  struct kl__rlease **out, kl_error *err)
+	  bool shared, struct kl__rlease **out, kl_error *err)
 {
 	static const char hex[] = "0123456789abcdef";
 	unsigned char raw[KL_R_TOKEN_BYTES];
 	struct kl__rlease *l;
+	char *tok;
 
 	*out = NULL;
 	if ((l = calloc(1, sizeof *l)) == NULL)
@@ -126,9 +139,13 @@ lease_new(struct kl__redis *r, const char *key, size_t key_len, int64_t ttl_ms,
 				"token");
 		return KL_EPROVIDER;
 	}
+	l->shared = shared;
+	tok = l->tok;
+	if (shared)
+		*tok++ = 's';
 	for (int i = 0; i < KL_R_TOKEN_BYTES; i++) {
-		l->tok[2 * i] = hex[raw[i] >> 4];
-		l->tok[2 * i + 1] = hex[raw[i] & 15];
+		tok[2 * i] = hex[raw[i] >> 4];
+		tok[2 * i + 1] = hex[raw[i] & 15];
 	}
 	if (names_make(r, key, key_len, l->tok, &l->n) != KL_OK) {
 		free(l);
@@ -240,6 +257,13 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 				"(KL_ERRORCHECK) is not supported");
 		return KL_EINVAL;
 	}
+	/* A flag of a later version would be a request we do not honour. */
+	if (flags & ~(unsigned)(KL_ERRORCHECK | KL_SHARED)) {
+		kl__redis_error(err, KL_EINVAL,
+				"redis provider: unknown flags 0x%x",
+				flags & ~(unsigned)(KL_ERRORCHECK | KL_SHARED));
+		return KL_EINVAL;
+	}
 	if (ttl_ms == 0)
 		ttl_ms = r->conf.ttl_ms;
 	if (ttl_ms < MIN_TTL_MS || ttl_ms > INT64_MAX / 4 ||
@@ -258,7 +282,8 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	cap = timeout_ms == 0 || deadline == KL_R_NO_DEADLINE
 		      ? KL_R_NO_DEADLINE
 		      : deadline + KL_R_GRACE_MS * KL_R_MS;
-	if ((rc = lease_new(r, key, key_len, ttl_ms, &l, err)) != KL_OK)
+	if ((rc = lease_new(r, key, key_len, ttl_ms, (flags & KL_SHARED) != 0,
+			    &l, err)) != KL_OK)
 		return rc;
 	if ((rc = kl__redis_conn_get(r, cap, &c, err)) != KL_OK) {
 		kl__redis_lease_unref(l);
@@ -404,18 +429,23 @@ redis_status(void *impl, const char *key, size_t key_len, size_t *holders,
 {
 	struct kl__redis *r = impl;
 	struct kl__rconn *c = NULL;
+	static const int which[4] = { KL_RK_LOCK, KL_RK_QUEUE, KL_RK_HB,
+				      KL_RK_SHARED };
 	struct kl__rnames n;
+	const char *keys[4];
+	size_t klens[4];
 	redisReply *rep = NULL;
 	int rc, tries = 0;
 
 	*holders = *waiters = 0;
 	if (names_make(r, key, key_len, NULL, &n) != KL_OK)
 		return KL_ENOMEM;
+	kl__rnames_pick(&n, which, 4, keys, klens);
 	rc = kl__redis_conn_get(r, KL_R_NO_DEADLINE, &c, err);
 	while (rc == KL_OK) {
 		rc = kl__rconn_script(
 			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
-			KL_RS_STATUS, 3, n.k, n.len, 0, NULL, NULL, &rep, err);
+			KL_RS_STATUS, 4, keys, klens, 0, NULL, NULL, &rep, err);
 		if (rc == KL_OK || !c->broken || ++tries > 1)
 			break;
 		rc = kl__redis_conn_replace(r, &c, KL_R_NO_DEADLINE, err);
@@ -435,6 +465,257 @@ redis_status(void *impl, const char *key, size_t key_len, size_t *holders,
 		rc = KL_EPROVIDER;
 	}
 	freeReplyObject(rep);
+	return rc;
+}
+
+/* ------------------------------------------------------------------ */
+/* Snapshot                                                            */
+
+#define SCAN_COUNT "256" /* keys the server looks at per SCAN call */
+
+/* The hashes a snapshot found, sorted and unique at the end. */
+struct hashes {
+	char (*h)[65];
+	size_t n, cap;
+};
+
+/* SCAN's MATCH pattern of the prefix's lock keys: the prefix with its
+ * glob characters escaped, then "{*". */
+static char *
+match_pattern(const struct kl__redis *r, size_t *len)
+{
+	char *buf = malloc(2 * r->conf.prefix_len + 3), *p;
+
+	if (buf == NULL)
+		return NULL;
+	p = buf;
+	for (size_t i = 0; i < r->conf.prefix_len; i++) {
+		char ch = r->conf.prefix[i];
+
+		if (ch == '*' || ch == '?' || ch == '[' || ch == ']' ||
+		    ch == '\\')
+			*p++ = '\\';
+		*p++ = ch;
+	}
+	*p++ = '{';
+	*p++ = '*';
+	*p = '\0';
+	*len = (size_t)(p - buf);
+	return buf;
+}
+
+/* Whether k is PREFIX{64 hex digits} alone or with ":q" or ":s" (a key
+ * held exclusive, waited for, or held shared); its digits into hex.
+ * Anything else, such as another prefix that ours begins, is not ours. */
+static bool
+key_hash(const struct kl__redis *r, const char *k, size_t len, char *hex)
+{
+	size_t p = r->conf.prefix_len, rl;
+	const char *rest;
+
+	if (len < p + 66 || memcmp(k, r->conf.prefix, p) != 0 ||
+	    k[p] != '{' || k[p + 65] != '}')
+		return false;
+	for (size_t i = 1; i <= 64; i++)
+		if (!((k[p + i] >= '0' && k[p + i] <= '9') ||
+		      (k[p + i] >= 'a' && k[p + i] <= 'f')))
+			return false;
+	rest = k + p + 66;
+	rl = len - p - 66;
+	if (rl != 0 && !(rl == 2 && (memcmp(rest, ":q", 2) == 0 ||
+				     memcmp(rest, ":s", 2) == 0)))
+		return false;
+	memcpy(hex, k + p + 1, 64);
+	hex[64] = '\0';
+	return true;
+}
+
+static int
+hashes_add(struct hashes *hs, const char *hex)
+{
+	if (hs->n == hs->cap) {
+		size_t cap = hs->cap != 0 ? 2 * hs->cap : 64;
+		char (*h)[65];
+
+		if (cap > SIZE_MAX / sizeof *h ||
+		    (h = realloc(hs->h, cap * sizeof *h)) == NULL)
+			return KL_ENOMEM;
+		hs->h = h;
+		hs->cap = cap;
+	}
+	memcpy(hs->h[hs->n++], hex, 65);
+	return KL_OK;
+}
+
+static int
+hash_cmp(const void *a, const void *b)
+{
+	return memcmp(a, b, 64);
+}
+
+/* Every key of the prefix that is held or waited for, by SCAN: each call
+ * bounded (SCAN_COUNT keys), none blocking the server. */
+static int
+snapshot_scan(struct kl__redis *r, struct kl__rconn *c, struct hashes *hs,
+	      kl_error *err)
+{
+	char cursor[32] = "0", hex[65];
+	const char *argv[6] = { "SCAN", cursor, "MATCH", NULL, "COUNT",
+				SCAN_COUNT };
+	size_t lens[6] = { 4, 1, 5, 0, 5, sizeof SCAN_COUNT - 1 };
+	redisReply *rep;
+	char *pat;
+	int rc = KL_OK;
+
+	if ((pat = match_pattern(r, &lens[3])) == NULL)
+		return KL_ENOMEM;
+	argv[3] = pat;
+	do {
+		redisReply *keys;
+
+		rc = kl__rconn_command(
+			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0), 6,
+			argv, lens, &rep, err);
+		if (rc != KL_OK)
+			break;
+		if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
+		    rep->element[0]->type != REDIS_REPLY_STRING ||
+		    rep->element[0]->len >= sizeof cursor ||
+		    rep->element[1]->type != REDIS_REPLY_ARRAY) {
+			kl__redis_error(err, KL_EPROVIDER,
+					"redis provider: unexpected reply to "
+					"SCAN: %.160s",
+					rep->type == REDIS_REPLY_ERROR
+						? rep->str
+						: "odd reply");
+			freeReplyObject(rep);
+			rc = KL_EPROVIDER;
+			break;
+		}
+		memcpy(cursor, rep->element[0]->str, rep->element[0]->len);
+		cursor[rep->element[0]->len] = '\0';
+		lens[1] = rep->element[0]->len;
+		keys = rep->element[1];
+		for (size_t i = 0; i < keys->elements && rc == KL_OK; i++)
+			if (keys->element[i]->type == REDIS_REPLY_STRING &&
+			    key_hash(r, keys->element[i]->str,
+				     keys->element[i]->len, hex))
+				rc = hashes_add(hs, hex);
+		freeReplyObject(rep);
+	} while (rc == KL_OK && strcmp(cursor, "0") != 0);
+	free(pat);
+	if (rc == KL_OK && hs->n > 1) {
+		size_t j = 1;
+
+		/* SCAN may return a key twice, and a key held both ways
+		 * and waited for has three names found. */
+		qsort(hs->h, hs->n, sizeof *hs->h, hash_cmp);
+		for (size_t i = 1; i < hs->n; i++)
+			if (memcmp(hs->h[i], hs->h[j - 1], 64) != 0)
+				memcpy(hs->h[j++], hs->h[i], 65);
+		hs->n = j;
+	}
+	return rc;
+}
+
+static bool
+snap_str(const redisReply *e)
+{
+	return e->type == REDIS_REPLY_STRING && e->len >= 1;
+}
+
+/* The entries of one key (the snapshot script's reply) to fn; *stop when
+ * fn asked to stop. */
+static int
+snapshot_key(const struct kl__rnames *n, const redisReply *rep,
+	     kl_snapshot_fn fn, void *arg, bool *stop, kl_error *err)
+{
+	size_t nh, nw, at = 2;
+	kl_lock_info info;
+
+	if (rep->type != REDIS_REPLY_ARRAY || rep->elements < 2 ||
+	    rep->element[0]->type != REDIS_REPLY_INTEGER ||
+	    rep->element[1]->type != REDIS_REPLY_INTEGER ||
+	    rep->element[0]->integer < 0 || rep->element[1]->integer < 0)
+		goto odd;
+	nh = (size_t)rep->element[0]->integer;
+	nw = (size_t)rep->element[1]->integer;
+	if (nh > (SIZE_MAX - 2) / 5 || nw > (SIZE_MAX - 2) / 5 ||
+	    rep->elements != 2 + 3 * nh + 2 * nw)
+		goto odd;
+	for (size_t i = 0; i < nh + nw && !*stop; i++) {
+		bool waiting = i >= nh;
+		const redisReply *m = rep->element[at++];
+		const redisReply *f = waiting ? NULL : rep->element[at++];
+		const redisReply *e = rep->element[at++];
+
+		if (!snap_str(m) || e->type != REDIS_REPLY_INTEGER ||
+		    (f != NULL && f->type != REDIS_REPLY_STRING))
+			goto odd;
+		memset(&info, 0, sizeof info);
+		/* Only the key's SHA-256 is in the server. */
+		info.key = NULL;
+		info.key_len = 0;
+		info.detail = n->k[KL_RK_LOCK];
+		info.waiting = waiting;
+		info.shared = m->str[0] == 's';
+		info.fence = f != NULL ? strtoull(f->str, NULL, 10) : 0;
+		info.elapsed_ms = e->integer >= 0 ? e->integer : -1;
+		info.position = waiting ? i - nh : 0;
+		*stop = fn(&info, arg) != 0;
+	}
+	return KL_OK;
+odd:
+	kl__redis_error(err, KL_EPROVIDER,
+			"redis provider: unexpected reply to a snapshot");
+	return KL_EPROVIDER;
+}
+
+/*
+ * Lists the prefix's locks: SCAN (MATCH PREFIX{*, a bounded number of
+ * keys per call) for every key held or waited for, then one script per key,
+ * which reads its holders and live waiters at one moment.  fn runs between
+ * the commands, with no lock of ours held; the connection is ours alone
+ * meanwhile.  The key names are not in the server (only their digests):
+ * info.key is NULL and info.detail the Redis key; pid and tid are not
+ * recorded (0); an exclusive holder's time held is unknown (-1).
+ */
+static int
+redis_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	static const int which[6] = { KL_RK_LOCK,   KL_RK_QUEUE,
+				      KL_RK_HB,	    KL_RK_FENCE,
+				      KL_RK_SHARED, KL_RK_SMETA };
+	struct kl__redis *r = impl;
+	struct hashes hs = { NULL, 0, 0 };
+	struct kl__rconn *c = NULL;
+	bool stop = false;
+	int rc;
+
+	rc = kl__redis_conn_get(r, KL_R_NO_DEADLINE, &c, err);
+	if (rc == KL_OK)
+		rc = snapshot_scan(r, c, &hs, err);
+	for (size_t i = 0; rc == KL_OK && i < hs.n && !stop; i++) {
+		struct kl__rnames n;
+		const char *keys[6];
+		size_t klens[6];
+		redisReply *rep;
+
+		if ((rc = names_of_hex(r, hs.h[i], NULL, &n)) != KL_OK)
+			break;
+		kl__rnames_pick(&n, which, 6, keys, klens);
+		rc = kl__rconn_script(
+			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
+			KL_RS_SNAPSHOT, 6, keys, klens, 0, NULL, NULL, &rep,
+			err);
+		if (rc == KL_OK) {
+			rc = snapshot_key(&n, rep, fn, arg, &stop, err);
+			freeReplyObject(rep);
+		}
+		names_free(&n);
+	}
+	kl__redis_conn_put(r, c);
+	free(hs.h);
 	return rc;
 }
 
@@ -493,6 +774,7 @@ static const kl_provider_ops redis_ops = {
 	.destroy = redis_destroy,
 	.status = redis_status,
 	.watch = redis_watch,
+	.snapshot = redis_snapshot,
 };
 
 

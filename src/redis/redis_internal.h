@@ -117,6 +117,7 @@ enum kl__redis_script {
 	KL_RS_LEAVE,
 	KL_RS_RENEW,
 	KL_RS_STATUS,
+	KL_RS_SNAPSHOT,
 	KL_RS_COUNT
 };
 
@@ -229,7 +230,9 @@ enum {
 	KL_RK_QUEUE,
 	KL_RK_HB,
 	KL_RK_FENCE,
-	KL_RK_WAKE,
+	KL_RK_SHARED, /* shared holders (ZSET) */
+	KL_RK_SMETA,  /* their fences and grant times (HASH) */
+	KL_RK_WAKE,   /* last: names_make appends the token */
 	KL_RK_COUNT
 };
 
@@ -240,10 +243,22 @@ struct kl__rnames {
 	size_t len[KL_RK_COUNT];
 };
 
+/* The names of n listed in which[0..cnt-1], as a script's KEYS. */
+static inline void
+kl__rnames_pick(const struct kl__rnames *n, const int *which, int cnt,
+		const char **k, size_t *len)
+{
+	for (int i = 0; i < cnt; i++) {
+		k[i] = n->k[which[i]];
+		len[i] = n->len[which[i]];
+	}
+}
+
 struct kl__rlease {
 	struct kl__rlease *prev, *next; /* r->leases, while held */
 	bool linked;
-	char tok[2 * KL_R_TOKEN_BYTES + 1];
+	bool shared; /* KL_SHARED: the token starts with "s" */
+	char tok[2 * KL_R_TOKEN_BYTES + 2];
 	struct kl__rnames n;
 	int64_t ttl_ms;
 	int64_t guard_left_ms; /* the restart guard, at the last attempt */

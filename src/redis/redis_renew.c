@@ -84,9 +84,13 @@ renew_once(struct kl__redis *r, struct kl__rlease *l, int64_t cap,
 	const char *args[2] = { l->tok, ttl };
 	size_t alens[2] = { strlen(l->tok),
 			    kl__redis_num(ttl, sizeof ttl, l->ttl_ms) };
+	static const int which[3] = { KL_RK_LOCK, KL_RK_SHARED, KL_RK_SMETA };
+	const char *keys[3];
+	size_t klens[3];
 	redisReply *rep;
 	int rc, res;
 
+	kl__rnames_pick(&l->n, which, 3, keys, klens);
 	if (r->rconn != NULL && r->rconn->broken) {
 		kl__rconn_close(r->rconn);
 		r->rconn = NULL;
@@ -102,8 +106,8 @@ renew_once(struct kl__redis *r, struct kl__rlease *l, int64_t cap,
 	if (cap < deadline)
 		deadline = cap;
 	*sent_ns = kl__redis_now_ns();
-	rc = kl__rconn_script(r->rconn, deadline, KL_RS_RENEW, 1, l->n.k,
-			      l->n.len, 2, args, alens, &rep, NULL);
+	rc = kl__rconn_script(r->rconn, deadline, KL_RS_RENEW, 3, keys, klens,
+			      2, args, alens, &rep, NULL);
 	if (rc != KL_OK)
 		return -1;
 	res = rep->type == REDIS_REPLY_INTEGER && rep->integer == 1 ? 1 : 0;

@@ -35,14 +35,16 @@ attempt(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	uint64_t *fence, int64_t *sent_ns, kl_error *err)
 {
 	char ttl[24], hb[24], keep[24], guard[24];
-	const char *keys[7] = { l->n.k[KL_RK_LOCK], l->n.k[KL_RK_QUEUE],
-				l->n.k[KL_RK_HB],   l->n.k[KL_RK_FENCE],
-				l->n.k[KL_RK_WAKE], r->gkey[0],
-				r->gkey[1] };
-	size_t klens[7] = { l->n.len[KL_RK_LOCK], l->n.len[KL_RK_QUEUE],
-			    l->n.len[KL_RK_HB],   l->n.len[KL_RK_FENCE],
-			    l->n.len[KL_RK_WAKE], r->gkey_len[0],
-			    r->gkey_len[1] };
+	const char *keys[9] = { l->n.k[KL_RK_LOCK],   l->n.k[KL_RK_QUEUE],
+				l->n.k[KL_RK_HB],     l->n.k[KL_RK_FENCE],
+				l->n.k[KL_RK_WAKE],   r->gkey[0],
+				r->gkey[1],	      l->n.k[KL_RK_SHARED],
+				l->n.k[KL_RK_SMETA] };
+	size_t klens[9] = { l->n.len[KL_RK_LOCK],   l->n.len[KL_RK_QUEUE],
+			    l->n.len[KL_RK_HB],     l->n.len[KL_RK_FENCE],
+			    l->n.len[KL_RK_WAKE],   r->gkey_len[0],
+			    r->gkey_len[1],	    l->n.len[KL_RK_SHARED],
+			    l->n.len[KL_RK_SMETA] };
 	const char *args[8];
 	size_t alens[8];
 	redisReply *rep, *e0, *e1;
@@ -69,7 +71,7 @@ attempt(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	args[7] = refresh ? "1" : "0";
 	alens[7] = 1;
 	*sent_ns = kl__redis_now_ns();
-	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 7, keys, klens, 8,
+	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 9, keys, klens, 8,
 			      args, alens, &rep, err);
 	if (rc != KL_OK)
 		return rc;
@@ -109,10 +111,10 @@ int
 kl__redis_leave(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 		int64_t deadline, kl_error *err)
 {
-	const char *keys[4] = { l->n.k[KL_RK_LOCK], l->n.k[KL_RK_QUEUE],
-				l->n.k[KL_RK_HB], l->n.k[KL_RK_WAKE] };
-	size_t klens[4] = { l->n.len[KL_RK_LOCK], l->n.len[KL_RK_QUEUE],
-			    l->n.len[KL_RK_HB], l->n.len[KL_RK_WAKE] };
+	static const int which[6] = { KL_RK_LOCK, KL_RK_QUEUE, KL_RK_HB,
+				      KL_RK_WAKE, KL_RK_SHARED, KL_RK_SMETA };
+	const char *keys[6];
+	size_t klens[6];
 	char hb[24];
 	const char *args[2] = { l->tok, hb };
 	size_t alens[2] = { strlen(l->tok),
@@ -121,7 +123,8 @@ kl__redis_leave(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	redisReply *rep;
 	int rc;
 
-	rc = kl__rconn_script(c, deadline, KL_RS_LEAVE, 4, keys, klens, 2,
+	kl__rnames_pick(&l->n, which, 6, keys, klens);
+	rc = kl__rconn_script(c, deadline, KL_RS_LEAVE, 6, keys, klens, 2,
 			      args, alens, &rep, err);
 	if (rc == KL_OK)
 		freeReplyObject(rep);
@@ -158,17 +161,22 @@ kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l, bool *released,
 	size_t alens[2] = { strlen(l->tok),
 			    kl__redis_num(hb, sizeof hb,
 					  r->conf.heartbeat_ms) };
+	static const int which[5] = { KL_RK_LOCK, KL_RK_QUEUE, KL_RK_HB,
+				      KL_RK_SHARED, KL_RK_SMETA };
+	const char *keys[5];
+	size_t klens[5];
 	struct kl__rconn *c = NULL;
 	redisReply *rep = NULL;
 	int rc, tries = 0;
 
 	*released = false;
+	kl__rnames_pick(&l->n, which, 5, keys, klens);
 	rc = kl__redis_conn_get(r, KL_R_NO_DEADLINE, &c, err);
 	while (rc == KL_OK) {
 		rc = kl__rconn_script(
 			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
-			KL_RS_RELEASE, 3, l->n.k, l->n.len, 2, args, alens,
-			&rep, err);
+			KL_RS_RELEASE, 5, keys, klens, 2, args, alens, &rep,
+			err);
 		if (rc == KL_OK || !c->broken || ++tries > 1)
 			break;
 		rc = kl__redis_conn_replace(r, &c, KL_R_NO_DEADLINE, err);

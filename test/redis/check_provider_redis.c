@@ -284,14 +284,16 @@ struct hold {
 /* Acquires key on p into h; returns the status (h holds nothing unless
  * KL_OK).  ttl_ms 0: the provider's. */
 static int
-take(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
-     kl_cancel *c, struct hold *h, kl_error *err)
+take_flags(kl_provider *p, const char *key, int64_t timeout_ms,
+	   int64_t ttl_ms, kl_cancel *c, unsigned flags, struct hold *h,
+	   kl_error *err)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_call call = { .key = NULL, .cancel = c };
 	int rc;
 
 	tev_init(&h->ev);
+	o.flags = flags;
 	o.provider = p;
 	o.key = key;
 	o.timeout_ms = timeout_ms;
@@ -308,6 +310,13 @@ take(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
 	else
 		ck_assert_ptr_nonnull(h->lease);
 	return rc;
+}
+
+static int
+take(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
+     kl_cancel *c, struct hold *h, kl_error *err)
+{
+	return take_flags(p, key, timeout_ms, ttl_ms, c, 0, h, err);
 }
 
 static void
@@ -353,6 +362,7 @@ struct waiter {
 	kl_cancel *cancel;
 	atomic_long *seq_src; /* grant numbers, taken inside the lock */
 	bool keep;            /* keep the lease for the test to release */
+	unsigned flags;       /* KL_SHARED */
 	pthread_t t;
 	/* Outputs, read after join. */
 	int rc;
@@ -371,7 +381,8 @@ waiter_main(void *arg)
 
 	w->seq = -1;
 	w->start_ns = now_ns();
-	w->rc = take(w->p, w->key, w->timeout_ms, 0, w->cancel, &w->h, &err);
+	w->rc = take_flags(w->p, w->key, w->timeout_ms, 0, w->cancel,
+			   w->flags, &w->h, &err);
 	w->end_ns = now_ns();
 	memcpy(w->message, err.message, sizeof w->message);
 	if (w->rc == KL_OK) {
@@ -813,6 +824,7 @@ END_TEST
 
 struct shared {
 	volatile int64_t owner, count, violations;
+	int64_t readers, max_readers, reads; /* redis_helper rw */
 };
 
 START_TEST(test_mutual_exclusion_processes)
@@ -1143,6 +1155,476 @@ START_TEST(test_fence_increasing)
 	}
 	kl_provider_free(p[0]);
 	kl_provider_free(p[1]);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Shared mode (KL_SHARED): the Web Locks rule on one FIFO queue       */
+
+static void
+take_shared_ok(kl_provider *p, const char *key, int64_t timeout_ms,
+	       struct hold *h)
+{
+	kl_error err;
+	int rc = take_flags(p, key, timeout_ms, 0, NULL, KL_SHARED, h, &err);
+
+	ck_assert_msg(rc == KL_OK, "acquire %s shared: %s: %s", key,
+		      kl_strerror(rc), err.message);
+}
+
+static void
+waiter_start_mode(struct waiter *w, kl_provider *p, const char *key,
+		  int64_t timeout_ms, unsigned flags, atomic_long *seq)
+{
+	w->flags = flags;
+	w->keep = true;
+	w->seq_src = seq;
+	waiter_start(w, p, key, timeout_ms, NULL);
+}
+
+static void
+waiter_ok(struct waiter *w, const char *what)
+{
+	ck_assert_msg(w->rc == KL_OK, "%s: %s: %s", what, kl_strerror(w->rc),
+		      w->message);
+}
+
+/* Two providers (two clients) hold one key shared at once: the second
+ * even with a try-once; status counts both; each grant a larger fence. */
+START_TEST(test_shared_together)
+{
+	kl_provider *p = open_default(), *q = open_default();
+	struct hold a, b, x;
+	kl_error err;
+
+	take_shared_ok(p, "sh", 10000, &a);
+	take_shared_ok(q, "sh", 0, &b);
+	test_assert_status(p, "sh", 2, 0);
+	ck_assert_uint_gt(kl_lease_fence(b.lease), kl_lease_fence(a.lease));
+	ck_assert(kl_lease_valid(a.lease));
+	ck_assert(kl_lease_valid(b.lease));
+	/* Exclusive, try-once: refused while either holds. */
+	ck_assert_int_eq(take(p, "sh", 0, 0, NULL, &x, &err), KL_ETIMEDOUT);
+	hold_free(&x);
+	drop(&a);
+	ck_assert_int_eq(take(q, "sh", 0, 0, NULL, &x, &err), KL_ETIMEDOUT);
+	hold_free(&x);
+	test_assert_status(p, "sh", 1, 0);
+	drop(&b);
+	ck_assert_int_eq(tev_count(&a.ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&b.ev, KL_EV_RELEASED), 1);
+	test_assert_status(p, "sh", 0, 0);
+	/* Nothing of the shared holders is left. */
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	take_ok(p, "sh", 0, &x);
+	ck_assert_uint_gt(kl_lease_fence(x.lease), kl_lease_fence(b.lease));
+	hold_free(&x);
+	hold_free(&a);
+	hold_free(&b);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* Queue order with both modes: X waits for every shared holder; S3, asked
+ * after X was queued, waits behind X although the key is held shared; S4
+ * queues behind S3; X's release grants S3 and S4 together. */
+START_TEST(test_shared_queue_order)
+{
+	kl_provider *p = open_default(), *q = open_default();
+	struct waiter x, s3, s4;
+	struct hold s1, s2, t;
+	atomic_long seq;
+	kl_error err;
+
+	atomic_init(&seq, 0);
+	memset(&x, 0, sizeof x);
+	memset(&s3, 0, sizeof s3);
+	memset(&s4, 0, sizeof s4);
+	take_shared_ok(p, "so", 10000, &s1);
+	take_shared_ok(q, "so", 0, &s2);
+	waiter_start_mode(&x, p, "so", 30000, 0, &seq);
+	wait_status(p, "so", 2, 1);
+	waiter_start_mode(&s3, q, "so", 30000, KL_SHARED, &seq);
+	wait_status(p, "so", 2, 2);
+	/* A shared try-once never passes the queued exclusive X. */
+	ck_assert_int_eq(take_flags(p, "so", 0, 0, NULL, KL_SHARED, &t, &err),
+			 KL_ETIMEDOUT);
+	hold_free(&t);
+	/* X waits for the last shared holder, not the first. */
+	drop(&s1);
+	wait_status(p, "so", 1, 2);
+	ck_assert_int_eq(atomic_load(&seq), 0);
+	drop(&s2);
+	/* X alone; S3 still queued, then S4 behind it. */
+	wait_status(p, "so", 1, 1);
+	waiter_start_mode(&s4, p, "so", 30000, KL_SHARED, &seq);
+	wait_status(p, "so", 1, 2);
+	ck_assert_int_eq(atomic_load(&seq), 1);
+	waiter_join(&x);
+	waiter_ok(&x, "exclusive X");
+	ck_assert_int_eq(x.seq, 0);
+	ck_assert_uint_gt(x.fence, kl_lease_fence(s2.lease));
+	/* Its release grants the shared run S3, S4 at once: both hold. */
+	drop(&x.h);
+	waiter_join(&s3);
+	waiter_join(&s4);
+	waiter_ok(&s3, "shared S3");
+	waiter_ok(&s4, "shared S4");
+	test_assert_status(p, "so", 2, 0);
+	ck_assert_uint_gt(s3.fence, x.fence);
+	ck_assert_uint_gt(s4.fence, x.fence);
+	ck_assert_uint_ne(s3.fence, s4.fence);
+	hold_free(&s3.h);
+	hold_free(&s4.h);
+	hold_free(&x.h);
+	hold_free(&s1);
+	hold_free(&s2);
+	test_assert_status(p, "so", 0, 0);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* A queued exclusive request that times out lets the shared request
+ * queued behind it through, the key still held shared. */
+START_TEST(test_shared_behind_timed_out_exclusive)
+{
+	kl_provider *p = open_default();
+	struct waiter x, s;
+	struct hold h;
+
+	memset(&x, 0, sizeof x);
+	memset(&s, 0, sizeof s);
+	take_shared_ok(p, "st", 10000, &h);
+	waiter_start_mode(&x, p, "st", 1500, 0, NULL);
+	wait_status(p, "st", 1, 1);
+	waiter_start_mode(&s, p, "st", 60000, KL_SHARED, NULL);
+	waiter_join(&x);
+	ck_assert_int_eq(x.rc, KL_ETIMEDOUT);
+	waiter_join(&s);
+	waiter_ok(&s, "shared behind X");
+	/* Not before X's timeout: it waited behind X. */
+	ck_assert_int_ge((s.end_ns - x.start_ns) / 1000000, 1500);
+	test_assert_status(p, "st", 2, 0);
+	hold_free(&s.h);
+	hold_free(&x.h);
+	hold_free(&h);
+	test_assert_status(p, "st", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A shared holder whose process dies (SIGKILL: no renewal, no release)
+ * expires alone: the other shared holder keeps its lease, the exclusive
+ * waiter still waits for it, and gets the key once it is released. */
+START_TEST(test_shared_holder_expires)
+{
+	char uri[1024];
+	const char *args[] = { "holdshared", uri, "sx", "1000", NULL };
+	kl_provider *p = open_default();
+	struct test_helper hp;
+	struct waiter x;
+	struct hold h;
+	atomic_long seq;
+	uint64_t hf;
+
+	atomic_init(&seq, 0);
+	memset(&x, 0, sizeof x);
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	helper_spawn(&hp, args);
+	hf = test_helper_granted(&hp, TEST_POLL_LIMIT_MS);
+	take_shared_ok(p, "sx", 10000, &h);
+	ck_assert_uint_gt(kl_lease_fence(h.lease), hf);
+	hf = kl_lease_fence(h.lease);
+	test_assert_status(p, "sx", 2, 0);
+	waiter_start_mode(&x, p, "sx", 60000, 0, &seq);
+	wait_status(p, "sx", 2, 1);
+	helper_kill(&hp);
+	/* The dead holder's lease runs out (1 s); ours is renewed. */
+	wait_status(p, "sx", 1, 1);
+	ck_assert(kl_lease_valid(h.lease));
+	ck_assert_int_eq(atomic_load(&seq), 0);
+	drop(&h);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASED), 1);
+	waiter_join(&x);
+	waiter_ok(&x, "exclusive after the expiry");
+	ck_assert_uint_gt(x.fence, hf);
+	test_assert_status(p, "sx", 1, 0);
+	hold_free(&x.h);
+	hold_free(&h);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Try-once in both modes: shared with shared holders, never past an
+ * exclusive holder; exclusive only on a free key. */
+START_TEST(test_shared_try_once)
+{
+	kl_provider *p = open_default();
+	struct hold a, b, x;
+	kl_error err;
+
+	take_shared_ok(p, "sy", 0, &a);
+	take_shared_ok(p, "sy", 0, &b);
+	ck_assert_int_eq(take(p, "sy", 0, 0, NULL, &x, &err), KL_ETIMEDOUT);
+	hold_free(&x);
+	test_assert_status(p, "sy", 2, 0);
+	hold_free(&a);
+	hold_free(&b);
+	ck_assert_int_eq(take(p, "sy", 0, 0, NULL, &x, &err), KL_OK);
+	ck_assert_int_eq(take_flags(p, "sy", 0, 0, NULL, KL_SHARED, &a, &err),
+			 KL_ETIMEDOUT);
+	hold_free(&a);
+	test_assert_status(p, "sy", 1, 0);
+	hold_free(&x);
+	/* ERRORCHECK stays refused, in either mode; unknown flags too. */
+	ck_assert_int_eq(take_flags(p, "sy", 0, 0, NULL,
+				    KL_SHARED | KL_ERRORCHECK, &a, &err),
+			 KL_EINVAL);
+	hold_free(&a);
+	test_assert_status(p, "sy", 0, 0);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Fences over mixed grants, from two clients: every grant larger. */
+START_TEST(test_shared_fences_mixed)
+{
+	kl_provider *p[2] = { open_default(), open_default() };
+	uint64_t last = 0;
+	int n = (int)kl_test_scaled(60, 12);
+	struct hold held[3];
+
+	for (int i = 0; i < n; i++) {
+		int k = 1 + i % 3;
+
+		/* k shared grants held together, then one exclusive. */
+		for (int j = 0; j < k; j++) {
+			take_shared_ok(p[j % 2], "sf", 10000, &held[j]);
+			ck_assert_uint_gt(kl_lease_fence(held[j].lease), last);
+			last = kl_lease_fence(held[j].lease);
+		}
+		test_assert_status(p[0], "sf", (size_t)k, 0);
+		for (int j = 0; j < k; j++)
+			hold_free(&held[j]);
+		take_ok(p[i % 2], "sf", 0, &held[0]);
+		ck_assert_uint_gt(kl_lease_fence(held[0].lease), last);
+		last = kl_lease_fence(held[0].lease);
+		hold_free(&held[0]);
+	}
+	kl_provider_free(p[0]);
+	kl_provider_free(p[1]);
+}
+END_TEST
+
+/* 4 processes of 4 threads, two thirds of their acquires shared: no
+ * shared holder ever meets an exclusive one, no exclusive one meets
+ * anybody, and every section ran. */
+START_TEST(test_shared_exclusion_processes)
+{
+	char uri[1024], file[] = "/tmp/kl-redis-rw.XXXXXX", iters[16];
+	const char *args[7];
+	struct test_helper h[4];
+	struct shared *sh;
+	long n = kl_test_scaled(24, 6);
+	kl_provider *p;
+	int fd;
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	fd = mkstemp(file);
+	ck_assert_int_ge(fd, 0);
+	ck_assert_int_eq(ftruncate(fd, 4096), 0);
+	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	ck_assert(sh != MAP_FAILED);
+	close(fd);
+	snprintf(iters, sizeof iters, "%ld", n);
+	args[0] = "rw";
+	args[1] = uri;
+	args[2] = "rw";
+	args[3] = file;
+	args[4] = "4";
+	args[5] = iters;
+	args[6] = NULL;
+	for (int i = 0; i < 4; i++)
+		helper_spawn(&h[i], args);
+	for (int i = 0; i < 4; i++) {
+		char line[300] = "";
+		int st = helper_reap(&h[i]);
+
+		if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
+			ck_abort_msg("helper %d: status 0x%x: %s", i,
+				     (unsigned)st,
+				     read(h[i].from, line, sizeof line - 1) >
+						     0
+					     ? line
+					     : "");
+		}
+	}
+	ck_assert_int_eq(sh->violations, 0);
+	ck_assert_int_eq(sh->count + sh->reads, 16 * n);
+	ck_assert_int_gt(sh->count, 0);
+	ck_assert_int_gt(sh->reads, 0);
+	printf("shared/exclusive across 4 processes: %lld exclusive, %lld "
+	       "shared sections, at most %lld shared holders at once\n",
+	       (long long)sh->count, (long long)sh->reads,
+	       (long long)sh->max_readers);
+	munmap(sh, sizeof *sh);
+	unlink(file);
+	p = open_default();
+	test_assert_status(p, "rw", 0, 0);
+	kl_provider_free(p);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
+/* Snapshot                                                            */
+
+#define SNAP_MAX 16
+
+struct snap_entry {
+	char detail[200];
+	bool has_key, waiting, shared;
+	uint64_t fence;
+	int64_t elapsed;
+	size_t position;
+};
+
+struct snap {
+	struct snap_entry e[SNAP_MAX];
+	int n;
+	int stop_after; /* 0: never stop */
+	int calls;
+};
+
+static int
+snap_fn(const kl_lock_info *info, void *arg)
+{
+	struct snap *s = arg;
+
+	s->calls++;
+	if (s->n < SNAP_MAX) {
+		struct snap_entry *e = &s->e[s->n++];
+
+		snprintf(e->detail, sizeof e->detail, "%s",
+			 info->detail != NULL ? info->detail : "");
+		e->has_key = info->key != NULL;
+		e->waiting = info->waiting;
+		e->shared = info->shared;
+		e->fence = info->fence;
+		e->elapsed = info->elapsed_ms;
+		e->position = info->position;
+	}
+	return s->stop_after != 0 && s->calls >= s->stop_after;
+}
+
+/* The entries of one key, in the order the snapshot gave them. */
+static int
+snap_of(const struct snap *s, const char *key, const struct snap_entry **out,
+	int max)
+{
+	char name[160];
+	int n = 0;
+
+	key_name(name, sizeof name, key, "");
+	for (int i = 0; i < s->n; i++)
+		if (strcmp(s->e[i].detail, name) == 0 && n < max)
+			out[n++] = &s->e[i];
+	return n;
+}
+
+/* A known state: key "ka" held exclusive; key "kb" held shared by two,
+ * then waited for by X (exclusive) and S (shared), in that order; and a
+ * key of another prefix, never listed. */
+START_TEST(test_snapshot)
+{
+	kl_provider *p = open_default(), *other;
+	struct hold a, b1, b2, o;
+	struct waiter x, s;
+	struct snap sn;
+	const struct snap_entry *e[8];
+	char save[64];
+	kl_error err;
+	int rc;
+
+	memset(&x, 0, sizeof x);
+	memset(&s, 0, sizeof s);
+	memset(&sn, 0, sizeof sn);
+	/* Another prefix that ours is a prefix of. */
+	snprintf(save, sizeof save, "%s", g_prefix);
+	ck_assert_uint_lt(strlen(save) + 1, sizeof g_prefix);
+	memcpy(g_prefix, save, strlen(save));
+	memcpy(g_prefix + strlen(save), "x", 2);
+	other = open_default();
+	take_ok(other, "ko", 0, &o);
+	snprintf(g_prefix, sizeof g_prefix, "%s", save);
+
+	memset(&err, 0, sizeof err);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &sn, &err), KL_OK);
+	ck_assert_msg(sn.n == 0, "%d entries of an empty prefix", sn.n);
+
+	take_ok(p, "ka", 0, &a);
+	take_shared_ok(p, "kb", 0, &b1);
+	take_shared_ok(p, "kb", 0, &b2);
+	waiter_start_mode(&x, p, "kb", 30000, 0, NULL);
+	wait_status(p, "kb", 2, 1);
+	waiter_start_mode(&s, p, "kb", 30000, KL_SHARED, NULL);
+	wait_status(p, "kb", 2, 2);
+
+	rc = kl_provider_snapshot(p, snap_fn, &sn, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_int_eq(sn.n, 5);
+	ck_assert_int_eq(snap_of(&sn, "ka", e, 8), 1);
+	ck_assert(!e[0]->waiting && !e[0]->shared && !e[0]->has_key);
+	ck_assert_uint_eq(e[0]->fence, kl_lease_fence(a.lease));
+	ck_assert_int_eq(snap_of(&sn, "kb", e, 8), 4);
+	/* Holders first, then the waiters in queue order. */
+	ck_assert(!e[0]->waiting && e[0]->shared);
+	ck_assert(!e[1]->waiting && e[1]->shared);
+	ck_assert((e[0]->fence == kl_lease_fence(b1.lease) &&
+		   e[1]->fence == kl_lease_fence(b2.lease)) ||
+		  (e[1]->fence == kl_lease_fence(b1.lease) &&
+		   e[0]->fence == kl_lease_fence(b2.lease)));
+	ck_assert_int_ge(e[0]->elapsed, 0);
+	ck_assert(e[2]->waiting && !e[2]->shared);
+	ck_assert_uint_eq(e[2]->position, 0);
+	ck_assert_uint_eq(e[2]->fence, 0);
+	ck_assert_int_ge(e[2]->elapsed, 0);
+	ck_assert(e[3]->waiting && e[3]->shared);
+	ck_assert_uint_eq(e[3]->position, 1);
+	/* X waited longer than S, which came after it. */
+	ck_assert_int_ge(e[2]->elapsed, e[3]->elapsed);
+
+	/* A non-zero return stops the walk. */
+	memset(&sn, 0, sizeof sn);
+	sn.stop_after = 2;
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &sn, &err), KL_OK);
+	ck_assert_int_eq(sn.calls, 2);
+
+	hold_free(&b1);
+	hold_free(&b2);
+	waiter_join(&x);
+	waiter_ok(&x, "X");
+	hold_free(&x.h);
+	waiter_join(&s);
+	waiter_ok(&s, "S");
+	memset(&sn, 0, sizeof sn);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &sn, &err), KL_OK);
+	ck_assert_int_eq(sn.n, 2);
+	ck_assert_int_eq(snap_of(&sn, "kb", e, 8), 1);
+	ck_assert(!e[0]->waiting && e[0]->shared);
+	ck_assert_uint_eq(e[0]->fence, s.fence);
+	hold_free(&s.h);
+	hold_free(&a);
+	memset(&sn, 0, sizeof sn);
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_fn, &sn, &err), KL_OK);
+	ck_assert_int_eq(sn.n, 0);
+	hold_free(&o);
+	kl_provider_free(other);
+	kl_provider_free(p);
 }
 END_TEST
 
@@ -1605,6 +2087,37 @@ START_TEST(test_stalled_late_grant)
 }
 END_TEST
 
+/* The same with a shared request: a shared grant the stalled server makes
+ * to an acquire that gave up is undone too, or it would keep an exclusive
+ * request out for its whole ttl (20 s). */
+START_TEST(test_stalled_late_shared_grant)
+{
+	kl_provider *p = open_opts("restart_guard=0&ttl=20s"), *q;
+	struct hold h, t;
+	kl_error err;
+	int rc;
+
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	rc = take_flags(p, "lates", 300, 0, NULL, KL_SHARED, &h, &err);
+	ck_assert_msg(rc == KL_EPROVIDER || rc == KL_ETIMEDOUT, "%s: %s",
+		      kl_strerror(rc), err.message);
+	hold_free(&h);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+
+	q = open_default();
+	rc = take(q, "lates", 5000, 0, NULL, &t, &err);
+	ck_assert_msg(rc == KL_OK, "the key is still held shared: %s: %s",
+		      kl_strerror(rc), err.message);
+	test_assert_status(q, "lates", 1, 0);
+	hold_free(&t);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A waiter that gave up against a stalled server leaves the queue when the
  * server resumes, rather than block the waiters behind it for its
  * heartbeat (10 s here, more than the next acquire waits). */
@@ -1884,6 +2397,15 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_fence_increasing);
 	tcase_add_test(tc, test_fork_child_connects_anew);
 
+	tc = tcase_new(s, "shared", 120);
+	tcase_add_test(tc, test_shared_together);
+	tcase_add_test(tc, test_shared_queue_order);
+	tcase_add_test(tc, test_shared_behind_timed_out_exclusive);
+	tcase_add_test(tc, test_shared_holder_expires);
+	tcase_add_test(tc, test_shared_try_once);
+	tcase_add_test(tc, test_shared_fences_mixed);
+	tcase_add_test(tc, test_shared_exclusion_processes);
+	tcase_add_test(tc, test_snapshot);
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);
 	tcase_add_test(tc, test_restricted_acl_user);
@@ -1900,6 +2422,7 @@ provider_redis_suite(void)
 	tcase_add_unchecked_fixture(tc, NULL, resume_server);
 	tcase_add_test(tc, test_stalled_server);
 	tcase_add_test(tc, test_stalled_late_grant);
+	tcase_add_test(tc, test_stalled_late_shared_grant);
 	tcase_add_test(tc, test_stalled_waiter_leaves);
 	tcase_add_test(tc, test_stalled_timeout_bound);
 	tcase_add_test(tc, test_restart);

@@ -356,13 +356,14 @@ open_port(int port, const char *prefix, const char *opts)
 }
 
 static kl_lock *
-lock_make(kl_provider *p, const char *key, int64_t timeout_ms,
-	  int64_t ttl_ms, struct test_events *ev)
+lock_make_flags(kl_provider *p, const char *key, int64_t timeout_ms,
+		int64_t ttl_ms, unsigned flags, struct test_events *ev)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_lock *l = NULL;
 
 	tev_init(ev);
+	o.flags = flags;
 	o.provider = p;
 	o.key = key;
 	o.timeout_ms = timeout_ms;
@@ -372,6 +373,13 @@ lock_make(kl_provider *p, const char *key, int64_t timeout_ms,
 	if (kl_lock_new(&l, &o) != KL_OK)
 		fail_note("kl_lock_new failed");
 	return l;
+}
+
+static kl_lock *
+lock_make(kl_provider *p, const char *key, int64_t timeout_ms, int64_t ttl_ms,
+	  struct test_events *ev)
+{
+	return lock_make_flags(p, key, timeout_ms, ttl_ms, 0, ev);
 }
 
 /* The Redis key name the provider uses for key (suffix "", ":q", ...). */
@@ -838,8 +846,9 @@ script(struct kl__rconn *c, enum kl__redis_script id, const char *prefix,
        const char *key, const char *tok, const char *num)
 {
 	char lock[200], q[200], hb[200], f[200], w[300], g[200], m[200];
-	const char *keys[7] = { lock, q, hb, f, w, g, m };
-	size_t klens[7];
+	char sh[200], sm[200];
+	const char *keys[9] = { lock, q, hb, f, w, g, m, sh, sm };
+	size_t klens[9];
 	const char *args[7] = { tok, num, "400", "try", "86400000", "-1",
 				"0" };
 	size_t alens[7];
@@ -854,25 +863,35 @@ script(struct kl__rconn *c, enum kl__redis_script id, const char *prefix,
 	snprintf(w, sizeof w, "%s:w:%s", lock, tok);
 	snprintf(g, sizeof g, "%sguard", prefix);
 	snprintf(m, sizeof m, "%smaxttl", prefix);
+	key_name(sh, sizeof sh, prefix, key, ":s");
+	key_name(sm, sizeof sm, prefix, key, ":sm");
 	switch (id) {
 	case KL_RS_ATTEMPT:
-		nkeys = 7;
+		nkeys = 9;
 		nargs = 7;
 		break;
 	case KL_RS_RELEASE:
-		nkeys = 3;
+		/* KEYS lock, q, hb, shared holders, their fences. */
+		keys[3] = sh;
+		keys[4] = sm;
+		nkeys = 5;
 		nargs = 2;
 		args[1] = "400";
 		break;
 	case KL_RS_LEAVE:
-		/* KEYS lock, q, hb, own wake list. */
+		/* KEYS lock, q, hb, own wake list, shared holders, their
+		 * fences. */
 		keys[3] = w;
-		nkeys = 4;
+		keys[4] = sh;
+		keys[5] = sm;
+		nkeys = 6;
 		nargs = 2;
 		args[1] = "400";
 		break;
-	default: /* KL_RS_RENEW */
-		nkeys = 1;
+	default: /* KL_RS_RENEW: KEYS lock, shared holders, fences */
+		keys[1] = sh;
+		keys[2] = sm;
+		nkeys = 3;
 		nargs = 2;
 		break;
 	}
@@ -1290,6 +1309,86 @@ START_TEST(test_fence_after_snapshot_restart)
 		kl_lease_release(lease);
 	}
 	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Shared mode across a restart that loads an older snapshot: fences of
+ * mixed grants (two shared held together, then one exclusive) keep
+ * growing; a shared lease held across it is lost; while the automatic
+ * restart guard holds, a shared try-once is refused as an exclusive one
+ * is. */
+START_TEST(test_shared_fences_snapshot_restart)
+{
+	struct test_events ev[3], evg;
+	kl_provider *p, *g;
+	kl_lock *l[3], *lg;
+	kl_lease *lease[3], *held;
+	kl_error err;
+	uint64_t last = 0;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], false));
+	p = open_port(g_srv[0].port, "fsh:", "restart_guard=0&ttl=2s");
+	g = open_port(g_srv[0].port, "fsh:", "ttl=30s");
+	fails_assert();
+	for (int j = 0; j < 3; j++)
+		l[j] = lock_make_flags(p, "k", 5000, 0, j < 2 ? KL_SHARED : 0,
+				       &ev[j]);
+	lg = lock_make_flags(g, "k", 0, 0, KL_SHARED, &evg);
+	for (int i = 0; i < 30; i++) {
+		if (i == 15)
+			ck_assert(srv_save(&g_srv[0]));
+		for (int j = 0; j < 3; j++) {
+			if (j == 2) {
+				kl_lease_release(lease[0]);
+				kl_lease_release(lease[1]);
+			}
+			rc = grab(l[j], &lease[j], &err);
+			ck_assert_msg(rc == KL_OK, "%d/%d: %s: %s", i, j,
+				      kl_strerror(rc), err.message);
+			ck_assert_uint_gt(kl_lease_fence(lease[j]), last);
+			last = kl_lease_fence(lease[j]);
+		}
+		kl_lease_release(lease[2]);
+	}
+	ck_assert_int_eq(grab(l[0], &held, &err), KL_OK);
+	ck_assert_uint_gt(kl_lease_fence(held), last);
+	last = kl_lease_fence(held);
+	srv_kill(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	/* The restart lost data: the guard of g (its 30 s ttl, from the
+	 * run's start) refuses at once. */
+	rc = grab(lg, &lease[0], &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT &&
+			      strstr(err.message, "restart_guard") != NULL,
+		      "shared try-once under the guard: %s: %s",
+		      kl_strerror(rc), err.message);
+	for (int i = 0; i < 3; i++) {
+		for (int j = 0; j < 3; j++) {
+			if (j == 2) {
+				kl_lease_release(lease[0]);
+				kl_lease_release(lease[1]);
+			}
+			rc = grab(l[j], &lease[j], &err);
+			ck_assert_msg(rc == KL_OK, "after: %d/%d: %s: %s", i,
+				      j, kl_strerror(rc), err.message);
+			ck_assert_msg(kl_lease_fence(lease[j]) > last,
+				      "fence %" PRIu64
+				      " after the restart, %" PRIu64
+				      " before it",
+				      kl_lease_fence(lease[j]), last);
+			last = kl_lease_fence(lease[j]);
+		}
+		kl_lease_release(lease[2]);
+	}
+	/* The shared lease held across the restart is gone with the data. */
+	ck_assert(!kl_lease_valid(held));
+	kl_lease_release(held);
+	for (int j = 0; j < 3; j++)
+		kl_lock_free(l[j]);
+	kl_lock_free(lg);
+	kl_provider_free(g);
 	kl_provider_free(p);
 }
 END_TEST
@@ -2830,6 +2929,7 @@ redis_chaos_suite(void)
 
 	tc = tcase_new(s, "restarts", 120);
 	tcase_add_test(tc, test_fence_after_snapshot_restart);
+	tcase_add_test(tc, test_shared_fences_snapshot_restart);
 	tcase_add_test(tc, test_wiped_durable_server_guarded);
 	tcase_add_test(tc, test_fresh_server_waits);
 	tcase_add_test(tc, test_guard_covers_longest_ttl);

@@ -8,9 +8,16 @@
  *	acquires KEY with a ttl of TTL_MS, writes "G <fence>" on stdout, then
  *	keeps the key (renewed by the provider) until a line or end of file
  *	arrives on stdin, releases, writes "R", exits 0.
+ *   redis_helper holdshared URI KEY TTL_MS
+ *	as hold, with KEY taken shared (KL_SHARED).
  *   redis_helper wait URI KEY TIMEOUT_MS
  *	acquires KEY waiting at most TIMEOUT_MS, writes "G <fence>",
  *	releases, exits 0.  The suite kills it while it waits.
+ *   redis_helper rw URI KEY FILE THREADS ITERS
+ *	as mutex, but every third acquire of a thread is exclusive and the
+ *	others are shared (KL_SHARED): a shared holder checks that no
+ *	exclusive one is inside, an exclusive one that nobody is; the record
+ *	also counts the shared holders inside at once.
  *   redis_helper mutex URI KEY FILE THREADS ITERS
  *	THREADS threads each acquire KEY ITERS times; inside the critical
  *	section each checks and bumps a record shared through FILE (mmap):
@@ -32,6 +39,7 @@
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +60,9 @@ struct shared {
 	volatile int64_t owner; /* 0: nobody inside */
 	volatile int64_t count;
 	volatile int64_t violations;
+	/* rw only: shared holders inside now (atomic), the most seen at
+	 * once, and shared sections run. */
+	int64_t readers, max_readers, reads;
 };
 
 static kl_provider *g_provider;
@@ -64,9 +75,11 @@ static int
 usage(void)
 {
 	fprintf(stderr, "usage: redis_helper hold URI KEY TTL_MS\n"
+			"       redis_helper holdshared URI KEY TTL_MS\n"
 			"       redis_helper wait URI KEY TIMEOUT_MS\n"
 			"       redis_helper mutex URI KEY FILE THREADS "
-			"ITERS\n");
+			"ITERS\n"
+			"       redis_helper rw URI KEY FILE THREADS ITERS\n");
 	return 2;
 }
 
@@ -82,10 +95,11 @@ number(const char *s)
 }
 
 static int
-make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms)
+make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms, unsigned flags)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 
+	o.flags = flags;
 	o.provider = g_provider;
 	o.key = g_key;
 	o.timeout_ms = timeout_ms;
@@ -93,40 +107,75 @@ make_lock(kl_lock **l, int64_t timeout_ms, int64_t ttl_ms)
 	return kl_lock_new(l, &o);
 }
 
+static bool g_rw; /* rw rather than mutex */
+
+/* One shared section of rw: no exclusive holder may be inside. */
+static void
+reader_section(void)
+{
+	int64_t n = __atomic_add_fetch(&g_shared->readers, 1,
+				       __ATOMIC_SEQ_CST);
+	int64_t m = __atomic_load_n(&g_shared->max_readers, __ATOMIC_SEQ_CST);
+
+	while (n > m && !__atomic_compare_exchange_n(&g_shared->max_readers,
+						     &m, n, false,
+						     __ATOMIC_SEQ_CST,
+						     __ATOMIC_SEQ_CST))
+		;
+	if (__atomic_load_n(&g_shared->owner, __ATOMIC_SEQ_CST) != 0)
+		__atomic_add_fetch(&g_shared->violations, 1, __ATOMIC_SEQ_CST);
+	sched_yield();
+	if (__atomic_load_n(&g_shared->owner, __ATOMIC_SEQ_CST) != 0)
+		__atomic_add_fetch(&g_shared->violations, 1, __ATOMIC_SEQ_CST);
+	__atomic_add_fetch(&g_shared->reads, 1, __ATOMIC_SEQ_CST);
+	__atomic_sub_fetch(&g_shared->readers, 1, __ATOMIC_SEQ_CST);
+}
+
 static void *
 mutex_main(void *arg)
 {
 	int64_t me = (int64_t)(intptr_t)arg;
-	kl_lock *l = NULL;
+	kl_lock *l = NULL, *ls = NULL;
 	kl_lease *lease;
 	kl_error err;
 	int rc;
 
-	if (make_lock(&l, HELPER_TIMEOUT_MS, 0) != KL_OK) {
+	if (make_lock(&l, HELPER_TIMEOUT_MS, 0, 0) != KL_OK ||
+	    (g_rw && make_lock(&ls, HELPER_TIMEOUT_MS, 0, KL_SHARED) != KL_OK)) {
 		atomic_store(&g_failed, 1);
+		kl_lock_free(l);
 		return NULL;
 	}
 	for (long i = 0; i < g_iters; i++) {
+		bool sh = g_rw && (i + me) % 3 != 0;
 		int64_t c;
 
-		rc = kl_lock_acquire(l, NULL, &lease, &err);
+		rc = kl_lock_acquire(sh ? ls : l, NULL, &lease, &err);
 		if (rc != KL_OK) {
 			printf("E %d %s\n", rc, err.message);
 			atomic_store(&g_failed, 1);
 			break;
 		}
-		if (g_shared->owner != 0)
+		if (sh) {
+			reader_section();
+			kl_lease_release(lease);
+			continue;
+		}
+		if (g_shared->owner != 0 ||
+		    __atomic_load_n(&g_shared->readers, __ATOMIC_SEQ_CST) != 0)
 			g_shared->violations++;
 		g_shared->owner = me;
 		c = g_shared->count;
 		sched_yield();
 		g_shared->count = c + 1;
-		if (g_shared->owner != me)
+		if (g_shared->owner != me ||
+		    __atomic_load_n(&g_shared->readers, __ATOMIC_SEQ_CST) != 0)
 			g_shared->violations++;
 		g_shared->owner = 0;
 		kl_lease_release(lease);
 	}
 	kl_lock_free(l);
+	kl_lock_free(ls);
 	return NULL;
 }
 
@@ -174,6 +223,7 @@ main(int argc, char **argv)
 	kl_error err;
 	char buf[64];
 	long v;
+	bool hold;
 	int rc;
 
 #if defined(__linux__)
@@ -188,21 +238,26 @@ main(int argc, char **argv)
 		return 3;
 	}
 	g_key = argv[3];
-	if (strcmp(argv[1], "mutex") == 0 && argc == 7) {
+	if ((strcmp(argv[1], "mutex") == 0 || strcmp(argv[1], "rw") == 0) &&
+	    argc == 7) {
+		g_rw = argv[1][0] == 'r';
 		g_iters = number(argv[6]);
 		rc = run_mutex(argv[4], number(argv[5]));
 		kl_provider_free(g_provider);
 		return rc;
 	}
+	hold = strcmp(argv[1], "hold") == 0 ||
+	       strcmp(argv[1], "holdshared") == 0;
 	if (argc != 5 || (v = number(argv[4])) < 0 ||
-	    (strcmp(argv[1], "hold") != 0 && strcmp(argv[1], "wait") != 0)) {
+	    (!hold && strcmp(argv[1], "wait") != 0)) {
 		kl_provider_free(g_provider);
 		return usage();
 	}
-	if (strcmp(argv[1], "hold") == 0)
-		rc = make_lock(&l, HELPER_TIMEOUT_MS, v);
+	if (hold)
+		rc = make_lock(&l, HELPER_TIMEOUT_MS, v,
+			       argv[1][4] == 's' ? KL_SHARED : 0);
 	else
-		rc = make_lock(&l, v, 0);
+		rc = make_lock(&l, v, 0, 0);
 	if (rc == KL_OK)
 		rc = kl_lock_acquire(l, NULL, &lease, &err);
 	if (rc != KL_OK) {
@@ -212,7 +267,7 @@ main(int argc, char **argv)
 		return 3;
 	}
 	printf("G %" PRIu64 "\n", kl_lease_fence(lease));
-	if (strcmp(argv[1], "hold") == 0) {
+	if (hold) {
 		/* Held until the test says so or goes away. */
 		while (read(STDIN_FILENO, buf, sizeof buf) < 0 &&
 		       errno == EINTR)
