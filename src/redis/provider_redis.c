@@ -259,7 +259,7 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	}
 	/* A flag of a later version would be a request we do not honour. */
 	if (flags & ~(unsigned)(KL_ERRORCHECK | KL_SHARED)) {
-		kl__redis_error(err, KL_EINVAL,
+		kl__error_set(err, KL_EINVAL,
 				"redis provider: unknown flags 0x%x",
 				flags & ~(unsigned)(KL_ERRORCHECK | KL_SHARED));
 		return KL_EINVAL;
@@ -582,7 +582,7 @@ snapshot_scan(struct kl__redis *r, struct kl__rconn *c, struct hashes *hs,
 		    rep->element[0]->type != REDIS_REPLY_STRING ||
 		    rep->element[0]->len >= sizeof cursor ||
 		    rep->element[1]->type != REDIS_REPLY_ARRAY) {
-			kl__redis_error(err, KL_EPROVIDER,
+			kl__error_set(err, KL_EPROVIDER,
 					"redis provider: unexpected reply to "
 					"SCAN: %.160s",
 					rep->type == REDIS_REPLY_ERROR
@@ -666,7 +666,7 @@ snapshot_key(const struct kl__rnames *n, const redisReply *rep,
 	}
 	return KL_OK;
 odd:
-	kl__redis_error(err, KL_EPROVIDER,
+	kl__error_set(err, KL_EPROVIDER,
 			"redis provider: unexpected reply to a snapshot");
 	return KL_EPROVIDER;
 }
