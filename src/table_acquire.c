@@ -218,10 +218,9 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 {
 	struct kl__entry *e;
 	size_t b;
-	int rc;
 
-	if ((rc = chain_room(s, chain)) != KL_OK)
-		return rc;
+	if (chain_room(s, chain) != KL_OK)
+		return KL_ENOMEM; /* its only failure, said so for analyzers */
 	if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
 	    (e = kl__malloc(sizeof *e + (len < INLINE_KEY ? INLINE_KEY
 							  : len + 1))) == NULL)
