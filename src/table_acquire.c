@@ -596,7 +596,10 @@ settle_all(struct kl__waiter *granted, struct wakes *k)
  * E_SOLO kept), once e->shared is valid (pass_on): E_SHARED when the ring
  * is not empty, E_WAITERS while anyone waits or a lone holder (E_SOLO)
  * has others beside it, so that it gives the key back through the lock.
- * Lock held. */
+ * Lock held.  Stored with release order: a lone holder left alone gives
+ * the key back by compare-and-swap, without the lock, and its next taker
+ * must see what was written under the lock before (the ring's word in
+ * the entry). */
 static uint64_t
 held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
 {
@@ -633,7 +636,7 @@ waiter_left(struct kl__waitq *q)
 		return;
 	if (pass_on(e, st, &f, true, &held, &granted) != 0)
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
 	 * until it returns. */
@@ -694,7 +697,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 		rc = KL_OK;
 	}
 	*st = held_word(e, *st, f);
-	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	atomic_store_explicit(&e->state, *st, memory_order_release);
 	settle_all(granted, &k);
 	wakes_run(&k);
 	return rc;
@@ -731,7 +734,7 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 					atomic_store_explicit(
 						&e->state,
 						held_word(e, st, *fence),
-						memory_order_relaxed);
+						memory_order_release);
 				}
 			}
 			break;
@@ -897,14 +900,14 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 	}
 	if (pass_on(e, st, &f, held, &held, &granted) != 0) {
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (held) {
 		/* Other shared holders remain. */
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */
