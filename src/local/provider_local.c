@@ -461,6 +461,14 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		rc = kl__local_process(lp, l->name, l->qfd, &st, l, err);
 		if (rc != KL_OK)
 			break;
+		/* The grant may have been made by another process, which
+		 * cannot see our token: a token that fired before we
+		 * look here must win (DESIGN: no grant after the fire
+		 * returned), and leaving passes the key on. */
+		if (kl_cancel_fired(cancel)) {
+			rc = KL_ECANCELED;
+			break;
+		}
 		if (l->ticket < st.granted) {
 			/* Granted in a directory that is no longer the one
 			 * the path leads to would be a grant nobody else

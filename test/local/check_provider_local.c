@@ -1229,6 +1229,44 @@ START_TEST(test_cancel_prefired)
 }
 END_TEST
 
+/* DESIGN: once kl_cancel_fire has returned, no later grant goes to a
+ * waiter using that token.  Here the holder gives the key back right
+ * after the fire, while the waiter sleeps: its grant, made by the holder's
+ * release, comes after the fire and must not be taken (the waiter ends
+ * KL_ECANCELED and passes the key on: the next one gets it at once).  The
+ * old waiter loop took any grant it found before looking at its token. */
+START_TEST(test_cancel_then_grant)
+{
+	const char *key = "lo:cancel:grant";
+	kl_provider *p = open_dir(g_dir);
+	long rounds = kl_test_scaled(10, 3);
+
+	for (long round = 0; round < rounds; round++) {
+		struct waiter *w;
+		struct hold h, h2;
+		kl_cancel *c;
+
+		ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+		take_ok(p, key, 0, &h);
+		w = waiter_start(p, key, WAIT_BOUND_MS, c, false, NULL);
+		wait_status(p, key, 1, 1);
+		kl_cancel_fire(c);
+		drop(&h);
+		waiter_join(w);
+		ck_assert_msg(w->rc == KL_ECANCELED,
+			      "round %ld: a waiter whose token fired before "
+			      "the grant got %s",
+			      round, kl_strerror(w->rc));
+		waiter_free(w);
+		ck_assert_int_eq(take(p, key, 0, NULL, &h2, NULL), KL_OK);
+		drop(&h2);
+		test_assert_status(p, key, 0, 0);
+		kl_cancel_free(c);
+	}
+	kl_provider_free(p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* A waiter that gives up at the head of the queue passes the key on    */
 
@@ -4024,6 +4062,7 @@ provider_local_suite(void)
 	tc = tcase_new(s, "cancel", 60);
 	tcase_add_test(tc, test_cancel_leaves_queue);
 	tcase_add_test(tc, test_cancel_prefired);
+	tcase_add_test(tc, test_cancel_then_grant);
 
 	tc = tcase_new(s, "handoff", 60);
 	tcase_add_test(tc, test_head_gives_up_passes_on);
