@@ -366,10 +366,13 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 			unlinkat(lp->dirfd, tname, 0);
 		return false;
 	}
-	/* Shared when only looking, so that two lookers cannot make a dead
-	 * ticket look alive to each other.  A failure other than
-	 * EWOULDBLOCK (ENOLCK) does not tell either: alive. */
-	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0;
+	/* Shared, with the queue lock too: the only exclusive flock on a
+	 * ticket file is its owner's, so a shared one fails exactly when
+	 * the owner lives, and no looker (status, a snapshot, maybe stopped
+	 * while it looks) can make a dead ticket look alive to another and
+	 * keep a dead holder's key.  A failure other than EWOULDBLOCK
+	 * (ENOLCK) does not tell either: alive. */
+	alive = flock(fd, LOCK_SH | LOCK_NB) != 0;
 	if (!alive && locked)
 		unlinkat(lp->dirfd, tname, 0);
 	/* Its owner wrote the record before it took the flock. */

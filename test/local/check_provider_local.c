@@ -1727,6 +1727,52 @@ START_TEST(test_process_waiter_killed)
 }
 END_TEST
 
+/* A looker (kl_provider_status, or a snapshot that could not take the
+ * queue lock) holds a shared flock on a dead holder's ticket file for the
+ * moment it looks; stopped there (SIGSTOP, a debugger), it holds it for
+ * as long as it likes.  That must not make the dead holder look alive to
+ * the acquirers: here the test holds the shared flock itself, and the
+ * next acquire must get the key at once.  The old look with the queue
+ * lock took an exclusive flock, which any looker's shared one made fail:
+ * the key stayed held by a dead process until the looker went on (and
+ * a mere status call at the wrong moment cost a poll period, or left an
+ * idle queue file behind). */
+START_TEST(test_looker_keeps_no_dead_holder)
+{
+	const char *key = "lo:looker";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp;
+	char q[24], tname[64], path[PATH_MAX];
+	struct hold h;
+	kl_error err;
+	int fd, rc;
+
+	helper_spawn(&hp, "hold", key, NULL, 0);
+	test_helper_granted(&hp, HANG_GUARD_MS);
+	test_helper_kill(&hp);
+	/* Nobody has looked with the queue lock since: its ticket file is
+	 * still there, with no owner. */
+	test_assert_status(p, key, 0, 0);
+	queue_name(q, sizeof q, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.0", q);
+	in_state(path, sizeof path, tname);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+	ck_assert_int_eq(flock(fd, LOCK_SH | LOCK_NB), 0);
+	rc = take(p, key, 5000, NULL, &h, &err);
+	ck_assert_msg(rc == KL_OK,
+		      "acquire while a looker holds the dead holder's "
+		      "ticket: %s: %s",
+		      kl_strerror(rc), err.message);
+	close(fd);
+	drop(&h);
+	test_assert_status(p, key, 0, 0);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Strict FIFO across processes: each appends its index when granted. */
 START_TEST(test_process_fifo)
 {
@@ -4082,6 +4128,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_process_holder_killed);
 	tcase_add_test(tc, test_process_waiter_killed);
 	tcase_add_test(tc, test_process_fifo);
+	tcase_add_test(tc, test_looker_keeps_no_dead_holder);
 
 	tc = tcase_new(s, "issue15", 600);
 	tcase_add_test(tc, test_open_refuses_unsafe_ancestor);
