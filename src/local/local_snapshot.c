@@ -211,8 +211,8 @@ out:
 	return KL_OK;
 }
 
-int
-kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+static int
+snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 {
 	struct local *lp = impl;
 	kl_error kerr;
@@ -274,4 +274,18 @@ kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 	if (stop)
 		return KL_OK;
 	return first;
+}
+
+int
+kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	int old, rc;
+
+	/* Not a cancellation point (see local_acquire), fn included: a
+	 * thread cancelled in it would leave the listing's memory and
+	 * directory stream behind. */
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	rc = snapshot(impl, fn, arg, err);
+	pthread_setcancelstate(old, NULL);
+	return rc;
 }

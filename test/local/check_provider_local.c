@@ -1267,6 +1267,77 @@ START_TEST(test_cancel_then_grant)
 }
 END_TEST
 
+struct pcancel {
+	kl_lock *l;
+	atomic_int rc;        /* the acquire's status, once returned */
+	atomic_bool returned; /* kl_lock_acquire returned */
+};
+
+static void *
+pcancel_main(void *arg)
+{
+	struct pcancel *pc = arg;
+	kl_lease *lease = NULL;
+	int rc;
+
+	rc = kl_lock_acquire(pc->l, NULL, &lease, NULL);
+	atomic_store(&pc->rc, rc);
+	atomic_store(&pc->returned, true);
+	if (lease != NULL)
+		kl_lease_release(lease);
+	pthread_testcancel();
+	return NULL;
+}
+
+/* keylock(3): kl_lock_acquire is not a pthread_cancel(3) cancellation
+ * point: a deferred cancel of a thread waiting for a local: key takes
+ * effect after the wait ended by itself and left the queue.  The local
+ * provider's wait (poll, nanosleep, file calls) used to be cancelled in
+ * place: the thread vanished with its ticket file open and flocked (and
+ * could have held the queue lock), so its place stayed live for as long
+ * as the process ran and the key, once passed to it, was never free
+ * again. */
+START_TEST(test_pthread_cancel_waiter)
+{
+	const char *key = "lo:pthread-cancel";
+	kl_provider *p = open_dir(g_dir);
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	struct pcancel *pc = calloc(1, sizeof *pc);
+	struct hold h, h2;
+	pthread_t th;
+	void *res;
+	int rc;
+
+	ck_assert_ptr_nonnull(pc);
+	atomic_init(&pc->rc, KL_OK);
+	atomic_init(&pc->returned, false);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = 1000;
+	ck_assert_int_eq(kl_lock_new(&pc->l, &o), KL_OK);
+	take_ok(p, key, 0, &h);
+	ck_assert_int_eq(pthread_create(&th, NULL, pcancel_main, pc), 0);
+	wait_status(p, key, 1, 1);
+	ck_assert_int_eq(pthread_cancel(th), 0);
+	ck_assert_int_eq(pthread_join(th, &res), 0);
+	ck_assert(res == PTHREAD_CANCELED);
+	ck_assert_msg(atomic_load(&pc->returned),
+		      "the waiter was cancelled inside kl_lock_acquire");
+	rc = atomic_load(&pc->rc);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "the cancelled waiter got %s",
+		      kl_strerror(rc));
+	test_assert_status(p, key, 1, 0);
+	drop(&h);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h2, NULL), KL_OK);
+	drop(&h2);
+	test_assert_status(p, key, 0, 0);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	kl_lock_free(pc->l);
+	free(pc);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* A waiter that gives up at the head of the queue passes the key on    */
 
@@ -4109,6 +4180,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_cancel_leaves_queue);
 	tcase_add_test(tc, test_cancel_prefired);
 	tcase_add_test(tc, test_cancel_then_grant);
+	tcase_add_test(tc, test_pthread_cancel_waiter);
 
 	tc = tcase_new(s, "handoff", 60);
 	tcase_add_test(tc, test_head_gives_up_passes_on);
