@@ -621,6 +621,11 @@ count_ticket(const struct kl__local_ticket *t, void *arg)
 {
 	size_t *counts = arg;
 
+	/* A ticket counted alive only because we could not look (out of
+	 * descriptors) may be a dead one: no count rather than a wrong
+	 * one. */
+	if (t->unsure != 0)
+		return t->unsure;
 	counts[t->holds ? 0 : 1]++;
 	return 0;
 }
@@ -658,7 +663,10 @@ status(void *impl, const char *key, size_t key_len, size_t *holders,
 		return rc;
 	/* Dead tickets are not counted; a waiter that would be granted as
 	 * soon as someone looks counts as holding. */
-	kl__local_walk(lp, name, &st, count_ticket, counts);
+	if ((rc = kl__local_walk(lp, name, &st, count_ticket, counts)) != 0)
+		return kl__local_fail_file(lp, err,
+					   "cannot tell who holds the key of",
+					   name, rc);
 	*holders = counts[0];
 	*waiters = counts[1];
 	return KL_OK;

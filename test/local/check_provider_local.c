@@ -1844,6 +1844,70 @@ START_TEST(test_looker_keeps_no_dead_holder)
 }
 END_TEST
 
+static int
+count_entries(const kl_lock_info *info, void *arg)
+{
+	(void)info;
+	(*(int *)arg)++;
+	return 0;
+}
+
+/* A dead holder's ticket that status or a snapshot cannot open (out of
+ * descriptors) must not be reported as a live holder: the key is free.
+ * They used to count it (the acquire path must, to be safe) and report
+ * KL_OK with one holder, or list a holder of pid 0; now they fail. */
+START_TEST(test_fd_limit_no_false_holder)
+{
+	const char *key = "lo:emfile:report";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp;
+	struct rlimit old, low;
+	int fds[512], nfds, null, src[6], n[6], rcs[6];
+	size_t hs[6], ws;
+
+	helper_spawn(&hp, "hold", key, NULL, 0);
+	test_helper_granted(&hp, HANG_GUARD_MS);
+	test_helper_kill(&hp);
+	test_assert_status(p, key, 0, 0);
+	null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(null, 0);
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+	low = old;
+	low.rlim_cur = 256;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	for (int free_fds = 0; free_fds < 6; free_fds++) {
+		nfds = 0;
+		while (nfds < 512 && (fds[nfds] = dup(null)) >= 0)
+			nfds++;
+		for (int i = 0; i < free_fds && nfds > 0; i++)
+			close(fds[--nfds]);
+		hs[free_fds] = 0;
+		src[free_fds] = kl_provider_status(p, key, &hs[free_fds], &ws,
+						   NULL);
+		n[free_fds] = 0;
+		rcs[free_fds] = kl_provider_snapshot(p, count_entries,
+						     &n[free_fds], NULL);
+		while (nfds > 0)
+			close(fds[--nfds]);
+	}
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	close(null);
+	for (int i = 0; i < 6; i++) {
+		ck_assert_msg(src[i] != KL_OK || hs[i] == 0,
+			      "status: %zu holders of a free key with %d free "
+			      "descriptors",
+			      hs[i], i);
+		ck_assert_msg(rcs[i] != KL_OK || n[i] == 0,
+			      "snapshot: %d entries for a free key with %d "
+			      "free descriptors",
+			      n[i], i);
+	}
+	test_assert_status(p, key, 0, 0);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Strict FIFO across processes: each appends its index when granted. */
 START_TEST(test_process_fifo)
 {
@@ -4201,6 +4265,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_process_waiter_killed);
 	tcase_add_test(tc, test_process_fifo);
 	tcase_add_test(tc, test_looker_keeps_no_dead_holder);
+	tcase_add_test(tc, test_fd_limit_no_false_holder);
 
 	tc = tcase_new(s, "issue15", 600);
 	tcase_add_test(tc, test_open_refuses_unsafe_ancestor);
