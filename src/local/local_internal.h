@@ -89,6 +89,8 @@ struct kl__local_ticket {
 	bool known;  /* rec was read and is valid */
 	bool shared; /* rec says shared (false when not known) */
 	bool has_grant; /* grant read and valid (real holders) */
+	int unsure;     /* errno when its owner's life could not be told
+			 * (out of descriptors): counted alive, to be safe */
 	struct kl__local_trec rec;
 	struct kl__local_tgrant grant;
 };

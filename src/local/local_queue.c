@@ -352,10 +352,15 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 	 * descriptors or memory we cannot tell, and skipping a live holder
 	 * would grant the key twice: count it alive, whoever looks next
 	 * tells. */
-	if (fd < 0)
-		return errno == EMFILE || errno == ENFILE || errno == ENOMEM ||
-		       errno == EINTR;
+	if (fd < 0) {
+		if (errno != EMFILE && errno != ENFILE && errno != ENOMEM &&
+		    errno != EINTR)
+			return false;
+		t->unsure = errno;
+		return true;
+	}
 	if (fstat(fd, &st) != 0) {
+		t->unsure = errno;
 		close(fd);
 		return true;
 	}
@@ -366,10 +371,15 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 			unlinkat(lp->dirfd, tname, 0);
 		return false;
 	}
-	/* Shared when only looking, so that two lookers cannot make a dead
-	 * ticket look alive to each other.  A failure other than
-	 * EWOULDBLOCK (ENOLCK) does not tell either: alive. */
-	alive = flock(fd, (locked ? LOCK_EX : LOCK_SH) | LOCK_NB) != 0;
+	/* Shared, with the queue lock too: the only exclusive flock on a
+	 * ticket file is its owner's, so a shared one fails exactly when
+	 * the owner lives, and no looker (status, a snapshot, maybe stopped
+	 * while it looks) can make a dead ticket look alive to another and
+	 * keep a dead holder's key.  A failure other than EWOULDBLOCK
+	 * (ENOLCK) does not tell either: alive. */
+	alive = flock(fd, LOCK_SH | LOCK_NB) != 0;
+	if (alive && errno != EWOULDBLOCK)
+		t->unsure = errno;
 	if (!alive && locked)
 		unlinkat(lp->dirfd, tname, 0);
 	/* Its owner wrote the record before it took the flock. */

@@ -33,6 +33,7 @@ struct collect {
 	struct kl__local_ticket *v;
 	size_t n, cap;
 	bool nomem;
+	int unsure; /* errno of a ticket whose life could not be told */
 };
 
 static int
@@ -40,6 +41,12 @@ collect(const struct kl__local_ticket *t, void *arg)
 {
 	struct collect *c = arg;
 
+	/* Counted alive only because we could not look (out of
+	 * descriptors): it may be dead, and listing it would mislead. */
+	if (t->unsure != 0) {
+		c->unsure = t->unsure;
+		return 1;
+	}
 	if (c->n == c->cap) {
 		size_t cap = c->cap != 0 ? c->cap * 2 : 8;
 		struct kl__local_ticket *v = kl__malloc(cap * sizeof *v);
@@ -121,7 +128,7 @@ static int
 snapshot_key(struct local *lp, const char *name, uint64_t hash,
 	     kl_snapshot_fn fn, void *arg, bool *stop, kl_error *err)
 {
-	struct collect c = { NULL, 0, 0, false };
+	struct collect c = { NULL, 0, 0, false, 0 };
 	struct kl__local_qstate st;
 	char detail[128];
 	char *key = NULL;
@@ -162,6 +169,10 @@ snapshot_key(struct local *lp, const char *name, uint64_t hash,
 	kl__local_walk(lp, name, &st, collect, &c);
 	if (c.nomem)
 		rc = KL_ENOMEM;
+	else if (c.unsure != 0)
+		rc = kl__local_fail_file(lp, err,
+					 "cannot tell who holds the key of",
+					 name, c.unsure);
 out:
 	if (locked)
 		kl__local_qunlock(qfd);
@@ -211,8 +222,8 @@ out:
 	return KL_OK;
 }
 
-int
-kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+static int
+snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 {
 	struct local *lp = impl;
 	kl_error kerr;
@@ -274,4 +285,18 @@ kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 	if (stop)
 		return KL_OK;
 	return first;
+}
+
+int
+kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	int old, rc;
+
+	/* Not a cancellation point (see local_acquire), fn included: a
+	 * thread cancelled in it would leave the listing's memory and
+	 * directory stream behind. */
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	rc = snapshot(impl, fn, arg, err);
+	pthread_setcancelstate(old, NULL);
+	return rc;
 }

@@ -354,9 +354,9 @@ held_by_me(const struct kl__local_ticket *t, void *arg)
 }
 
 static int
-local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
-	      int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **out,
-	      uint64_t *fence, kl_error *err)
+acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **out,
+	uint64_t *fence, kl_error *err)
 {
 	struct local *lp = impl;
 	struct local_lease *l;
@@ -461,6 +461,14 @@ local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		rc = kl__local_process(lp, l->name, l->qfd, &st, l, err);
 		if (rc != KL_OK)
 			break;
+		/* The grant may have been made by another process, which
+		 * cannot see our token: a token that fired before we
+		 * look here must win (DESIGN: no grant after the fire
+		 * returned), and leaving passes the key on. */
+		if (kl_cancel_fired(cancel)) {
+			rc = KL_ECANCELED;
+			break;
+		}
 		if (l->ticket < st.granted) {
 			/* Granted in a directory that is no longer the one
 			 * the path leads to would be a grant nobody else
@@ -527,8 +535,31 @@ fail_unlock:
 	return rc;
 }
 
+/*
+ * keylock(3): acquire, release, status and snapshot are not pthread_cancel
+ * cancellation points, though they sleep, poll and read files: a thread
+ * cancelled inside would vanish with its ticket file open and flocked, or
+ * with the queue lock taken, and that flock lives as long as the process:
+ * its place would stay live (the key, once passed to it, never free
+ * again) and the whole key could stay locked.  A deferred cancel takes
+ * effect at the caller's next cancellation point.
+ */
 static int
-local_release(void *impl, void *lease, kl_error *err)
+local_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	      int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **out,
+	      uint64_t *fence, kl_error *err)
+{
+	int old, rc;
+
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	rc = acquire(impl, key, key_len, cancel, timeout_ms, ttl_ms, flags,
+		     out, fence, err);
+	pthread_setcancelstate(old, NULL);
+	return rc;
+}
+
+static int
+release(void *impl, void *lease, kl_error *err)
 {
 	struct local *lp = impl;
 	struct local_lease *l = lease;
@@ -552,6 +583,17 @@ local_release(void *impl, void *lease, kl_error *err)
 		rc = lost_error(lp, err);
 	}
 	kl__free(l);
+	return rc;
+}
+
+static int
+local_release(void *impl, void *lease, kl_error *err)
+{
+	int old, rc;
+
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	rc = release(impl, lease, err);
+	pthread_setcancelstate(old, NULL);
 	return rc;
 }
 
@@ -579,13 +621,18 @@ count_ticket(const struct kl__local_ticket *t, void *arg)
 {
 	size_t *counts = arg;
 
+	/* A ticket counted alive only because we could not look (out of
+	 * descriptors) may be a dead one: no count rather than a wrong
+	 * one. */
+	if (t->unsure != 0)
+		return t->unsure;
 	counts[t->holds ? 0 : 1]++;
 	return 0;
 }
 
 static int
-local_status(void *impl, const char *key, size_t key_len, size_t *holders,
-	     size_t *waiters, kl_error *err)
+status(void *impl, const char *key, size_t key_len, size_t *holders,
+       size_t *waiters, kl_error *err)
 {
 	struct local *lp = impl;
 	char name[KL_LOCAL_QNAME];
@@ -616,10 +663,25 @@ local_status(void *impl, const char *key, size_t key_len, size_t *holders,
 		return rc;
 	/* Dead tickets are not counted; a waiter that would be granted as
 	 * soon as someone looks counts as holding. */
-	kl__local_walk(lp, name, &st, count_ticket, counts);
+	if ((rc = kl__local_walk(lp, name, &st, count_ticket, counts)) != 0)
+		return kl__local_fail_file(lp, err,
+					   "cannot tell who holds the key of",
+					   name, rc);
 	*holders = counts[0];
 	*waiters = counts[1];
 	return KL_OK;
+}
+
+static int
+local_status(void *impl, const char *key, size_t key_len, size_t *holders,
+	     size_t *waiters, kl_error *err)
+{
+	int old, rc;
+
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	rc = status(impl, key, key_len, holders, waiters, err);
+	pthread_setcancelstate(old, NULL);
+	return rc;
 }
 
 static void

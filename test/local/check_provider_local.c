@@ -1229,6 +1229,115 @@ START_TEST(test_cancel_prefired)
 }
 END_TEST
 
+/* DESIGN: once kl_cancel_fire has returned, no later grant goes to a
+ * waiter using that token.  Here the holder gives the key back right
+ * after the fire, while the waiter sleeps: its grant, made by the holder's
+ * release, comes after the fire and must not be taken (the waiter ends
+ * KL_ECANCELED and passes the key on: the next one gets it at once).  The
+ * old waiter loop took any grant it found before looking at its token. */
+START_TEST(test_cancel_then_grant)
+{
+	const char *key = "lo:cancel:grant";
+	kl_provider *p = open_dir(g_dir);
+	long rounds = kl_test_scaled(10, 3);
+
+	for (long round = 0; round < rounds; round++) {
+		struct waiter *w;
+		struct hold h, h2;
+		kl_cancel *c;
+
+		ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+		take_ok(p, key, 0, &h);
+		w = waiter_start(p, key, WAIT_BOUND_MS, c, false, NULL);
+		wait_status(p, key, 1, 1);
+		kl_cancel_fire(c);
+		drop(&h);
+		waiter_join(w);
+		ck_assert_msg(w->rc == KL_ECANCELED,
+			      "round %ld: a waiter whose token fired before "
+			      "the grant got %s",
+			      round, kl_strerror(w->rc));
+		waiter_free(w);
+		ck_assert_int_eq(take(p, key, 0, NULL, &h2, NULL), KL_OK);
+		drop(&h2);
+		test_assert_status(p, key, 0, 0);
+		kl_cancel_free(c);
+	}
+	kl_provider_free(p);
+}
+END_TEST
+
+struct pcancel {
+	kl_lock *l;
+	atomic_int rc;        /* the acquire's status, once returned */
+	atomic_bool returned; /* kl_lock_acquire returned */
+};
+
+static void *
+pcancel_main(void *arg)
+{
+	struct pcancel *pc = arg;
+	kl_lease *lease = NULL;
+	int rc;
+
+	rc = kl_lock_acquire(pc->l, NULL, &lease, NULL);
+	atomic_store(&pc->rc, rc);
+	atomic_store(&pc->returned, true);
+	if (lease != NULL)
+		kl_lease_release(lease);
+	pthread_testcancel();
+	return NULL;
+}
+
+/* keylock(3): kl_lock_acquire is not a pthread_cancel(3) cancellation
+ * point: a deferred cancel of a thread waiting for a local: key takes
+ * effect after the wait ended by itself and left the queue.  The local
+ * provider's wait (poll, nanosleep, file calls) used to be cancelled in
+ * place: the thread vanished with its ticket file open and flocked (and
+ * could have held the queue lock), so its place stayed live for as long
+ * as the process ran and the key, once passed to it, was never free
+ * again. */
+START_TEST(test_pthread_cancel_waiter)
+{
+	const char *key = "lo:pthread-cancel";
+	kl_provider *p = open_dir(g_dir);
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	struct pcancel *pc = calloc(1, sizeof *pc);
+	struct hold h, h2;
+	pthread_t th;
+	void *res;
+	int rc;
+
+	ck_assert_ptr_nonnull(pc);
+	atomic_init(&pc->rc, KL_OK);
+	atomic_init(&pc->returned, false);
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = 1000;
+	ck_assert_int_eq(kl_lock_new(&pc->l, &o), KL_OK);
+	take_ok(p, key, 0, &h);
+	ck_assert_int_eq(pthread_create(&th, NULL, pcancel_main, pc), 0);
+	wait_status(p, key, 1, 1);
+	ck_assert_int_eq(pthread_cancel(th), 0);
+	ck_assert_int_eq(pthread_join(th, &res), 0);
+	ck_assert(res == PTHREAD_CANCELED);
+	ck_assert_msg(atomic_load(&pc->returned),
+		      "the waiter was cancelled inside kl_lock_acquire");
+	rc = atomic_load(&pc->rc);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "the cancelled waiter got %s",
+		      kl_strerror(rc));
+	test_assert_status(p, key, 1, 0);
+	drop(&h);
+	ck_assert_int_eq(take(p, key, 0, NULL, &h2, NULL), KL_OK);
+	drop(&h2);
+	test_assert_status(p, key, 0, 0);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	kl_lock_free(pc->l);
+	free(pc);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* A waiter that gives up at the head of the queue passes the key on    */
 
@@ -1684,6 +1793,116 @@ START_TEST(test_process_waiter_killed)
 	test_assert_status(p, "lo:proc:waiter", 0, 0);
 	scan_state(g_dir, &s);
 	ck_assert_int_eq(s.tickets, 0);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A looker (kl_provider_status, or a snapshot that could not take the
+ * queue lock) holds a shared flock on a dead holder's ticket file for the
+ * moment it looks; stopped there (SIGSTOP, a debugger), it holds it for
+ * as long as it likes.  That must not make the dead holder look alive to
+ * the acquirers: here the test holds the shared flock itself, and the
+ * next acquire must get the key at once.  The old look with the queue
+ * lock took an exclusive flock, which any looker's shared one made fail:
+ * the key stayed held by a dead process until the looker went on (and
+ * a mere status call at the wrong moment cost a poll period, or left an
+ * idle queue file behind). */
+START_TEST(test_looker_keeps_no_dead_holder)
+{
+	const char *key = "lo:looker";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp;
+	char q[24], tname[64], path[PATH_MAX];
+	struct hold h;
+	kl_error err;
+	int fd, rc;
+
+	helper_spawn(&hp, "hold", key, NULL, 0);
+	test_helper_granted(&hp, HANG_GUARD_MS);
+	test_helper_kill(&hp);
+	/* Nobody has looked with the queue lock since: its ticket file is
+	 * still there, with no owner. */
+	test_assert_status(p, key, 0, 0);
+	queue_name(q, sizeof q, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.0", q);
+	in_state(path, sizeof path, tname);
+	fd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_msg(fd >= 0, "open %s: %s", path, strerror(errno));
+	ck_assert_int_eq(flock(fd, LOCK_SH | LOCK_NB), 0);
+	rc = take(p, key, 5000, NULL, &h, &err);
+	ck_assert_msg(rc == KL_OK,
+		      "acquire while a looker holds the dead holder's "
+		      "ticket: %s: %s",
+		      kl_strerror(rc), err.message);
+	close(fd);
+	drop(&h);
+	test_assert_status(p, key, 0, 0);
+	ck_assert_int_eq(dir_entries(g_dir), 0);
+	test_helper_close(&hp);
+	kl_provider_free(p);
+}
+END_TEST
+
+static int
+count_entries(const kl_lock_info *info, void *arg)
+{
+	(void)info;
+	(*(int *)arg)++;
+	return 0;
+}
+
+/* A dead holder's ticket that status or a snapshot cannot open (out of
+ * descriptors) must not be reported as a live holder: the key is free.
+ * They used to count it (the acquire path must, to be safe) and report
+ * KL_OK with one holder, or list a holder of pid 0; now they fail. */
+START_TEST(test_fd_limit_no_false_holder)
+{
+	const char *key = "lo:emfile:report";
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hp;
+	struct rlimit old, low;
+	int fds[512], nfds, null, src[6], n[6], rcs[6];
+	size_t hs[6], ws;
+
+	helper_spawn(&hp, "hold", key, NULL, 0);
+	test_helper_granted(&hp, HANG_GUARD_MS);
+	test_helper_kill(&hp);
+	test_assert_status(p, key, 0, 0);
+	null = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(null, 0);
+	ck_assert_int_eq(getrlimit(RLIMIT_NOFILE, &old), 0);
+	low = old;
+	low.rlim_cur = 256;
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &low), 0);
+	for (int free_fds = 0; free_fds < 6; free_fds++) {
+		nfds = 0;
+		while (nfds < 512 && (fds[nfds] = dup(null)) >= 0)
+			nfds++;
+		for (int i = 0; i < free_fds && nfds > 0; i++)
+			close(fds[--nfds]);
+		hs[free_fds] = 0;
+		src[free_fds] = kl_provider_status(p, key, &hs[free_fds], &ws,
+						   NULL);
+		n[free_fds] = 0;
+		rcs[free_fds] = kl_provider_snapshot(p, count_entries,
+						     &n[free_fds], NULL);
+		while (nfds > 0)
+			close(fds[--nfds]);
+	}
+	ck_assert_int_eq(setrlimit(RLIMIT_NOFILE, &old), 0);
+	close(null);
+	for (int i = 0; i < 6; i++) {
+		ck_assert_msg(src[i] != KL_OK || hs[i] == 0,
+			      "status: %zu holders of a free key with %d free "
+			      "descriptors",
+			      hs[i], i);
+		ck_assert_msg(rcs[i] != KL_OK || n[i] == 0,
+			      "snapshot: %d entries for a free key with %d "
+			      "free descriptors",
+			      n[i], i);
+	}
+	test_assert_status(p, key, 0, 0);
 	test_helper_close(&hp);
 	kl_provider_free(p);
 }
@@ -4024,6 +4243,8 @@ provider_local_suite(void)
 	tc = tcase_new(s, "cancel", 60);
 	tcase_add_test(tc, test_cancel_leaves_queue);
 	tcase_add_test(tc, test_cancel_prefired);
+	tcase_add_test(tc, test_cancel_then_grant);
+	tcase_add_test(tc, test_pthread_cancel_waiter);
 
 	tc = tcase_new(s, "handoff", 60);
 	tcase_add_test(tc, test_head_gives_up_passes_on);
@@ -4043,6 +4264,8 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_process_holder_killed);
 	tcase_add_test(tc, test_process_waiter_killed);
 	tcase_add_test(tc, test_process_fifo);
+	tcase_add_test(tc, test_looker_keeps_no_dead_holder);
+	tcase_add_test(tc, test_fd_limit_no_false_holder);
 
 	tc = tcase_new(s, "issue15", 600);
 	tcase_add_test(tc, test_open_refuses_unsafe_ancestor);
