@@ -1665,6 +1665,49 @@ START_TEST(test_snapshot)
 }
 END_TEST
 
+/* A pooled connection that the server closed meanwhile (its idle
+ * "timeout", CLIENT KILL, a restart) costs a snapshot nothing, as it
+ * costs status and release nothing: the command is sent again on a new
+ * connection.  The key held shares the pool's connection's life. */
+START_TEST(test_snapshot_after_idle_close)
+{
+	long long before[256], after[256];
+	size_t nb, na;
+	redisContext *c = raw();
+	kl_provider *p;
+	struct hold a;
+	struct snap sn;
+	kl_error err;
+	int rc;
+
+	memset(&sn, 0, sizeof sn);
+	nb = client_ids(c, before, 256);
+	p = open_default();
+	take_ok(p, "ic", 0, &a);
+	/* A status leaves a second connection in the pool. */
+	test_assert_status(p, "ic", 1, 0);
+	na = client_ids(c, after, 256);
+	for (size_t i = 0; i < na; i++) {
+		char id[32];
+		const char *kill[4] = { "CLIENT", "KILL", "ID", id };
+
+		if (id_in(after[i], before, nb))
+			continue;
+		snprintf(id, sizeof id, "%lld", after[i]);
+		rint_cmd(c, 4, kill);
+	}
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_snapshot(p, snap_fn, &sn, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_int_eq(sn.n, 1);
+	ck_assert(!sn.e[0].waiting && !sn.e[0].shared);
+	ck_assert_uint_eq(sn.e[0].fence, kl_lease_fence(a.lease));
+	hold_free(&a);
+	redisFree(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* Passwords and failures to connect                                   */
 
@@ -2444,6 +2487,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_fences_mixed);
 	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
+	tcase_add_test(tc, test_snapshot_after_idle_close);
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);
 	tcase_add_test(tc, test_restricted_acl_user);
