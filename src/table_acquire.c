@@ -51,8 +51,10 @@
  * the lock, which hands it over in FIFO order.  A reader that finds a slot
  * busy waits for the stealer to finish (a few instructions, unless it was
  * preempted).  Waiters queue only on a held key.  A waiter that times out
- * or is cancelled only unlinks itself; the key is still held then, so it
- * never has to free anything.
+ * or is cancelled unlinks itself, and grants the shared requests behind it
+ * when the key is held shared (waiter_left); the key is still held then,
+ * so it never has to free anything.  A free key taken shared by a lone
+ * holder (E_SOLO) moves lock-free as an exclusive one does: see Modes.
  */
 #include "config.h"
 
@@ -218,10 +220,9 @@ insert(struct shard *s, uint32_t h, const char *key, size_t len,
 {
 	struct kl__entry *e;
 	size_t b;
-	int rc;
 
-	if ((rc = chain_room(s, chain)) != KL_OK)
-		return rc;
+	if (chain_room(s, chain) != KL_OK)
+		return KL_ENOMEM; /* its only failure, said so for analyzers */
 	if (len >= UINT32_MAX || len > SIZE_MAX - sizeof *e - 1 ||
 	    (e = kl__malloc(sizeof *e + (len < INLINE_KEY ? INLINE_KEY
 							  : len + 1))) == NULL)
@@ -429,13 +430,22 @@ mark_waiting(struct kl__entry *e, uint64_t st)
  * key held shared, the head of its queue (when one waits) wants it
  * exclusively.
  *
- * Shared requests always take the shard lock, never the lock-free path of
- * the slots: a shared holder must be linked in its entry where the lock's
- * holder can read it (errorcheck, status, snapshots, deadlock detection),
- * and a lock-free shared take would need a second word to count its
- * holders.  Exclusive requests keep their lock-free path unchanged: a
- * slot held shared is held (E_HELD), so a lock-free taker leaves it to the
- * lock, and no shared holder ever releases by compare-and-swap.
+ * Who holds a key shared must be readable under the shard lock
+ * (errorcheck, status, snapshots, deadlock detection): a holder record
+ * linked in the entry's ring, or the entry itself for a lone holder
+ * (E_SOLO, owner_tid).  A lone holder is what makes an uncontended shared
+ * take as cheap as an exclusive one (with the whole take under the lock
+ * and a record, kl_lock_acquire + release cost 3.4 times an exclusive
+ * pair; lone, 1.6 times, the rest being the lease kl_lock_acquire
+ * allocates for a shared lock): a free key of a slot is taken shared by
+ * compare-and-swap, E_HELD | E_SOLO, and given back the same way while
+ * nobody joined it.  Whoever joins it, or queues behind it, does so under
+ * the lock and marks the word E_WAITERS first (mark_waiting), so that from
+ * then on the lone holder gives the key back under the lock too and the
+ * word changes there only.  Every other shared take (a token, a long or
+ * chained key, a key held) is made under the lock with a record.  A slot
+ * held shared is held (E_HELD): an exclusive lock-free taker leaves it to
+ * the lock, as before.
  */
 
 /* gettid() of the calling thread, for snapshots: asked once per thread
@@ -597,7 +607,10 @@ settle_all(struct kl__waiter *granted, struct wakes *k)
  * E_SOLO kept), once e->shared is valid (pass_on): E_SHARED when the ring
  * is not empty, E_WAITERS while anyone waits or a lone holder (E_SOLO)
  * has others beside it, so that it gives the key back through the lock.
- * Lock held. */
+ * Lock held.  Stored with release order: a lone holder left alone gives
+ * the key back by compare-and-swap, without the lock, and its next taker
+ * must see what was written under the lock before (the ring's word in
+ * the entry). */
 static uint64_t
 held_word(const struct kl__entry *e, uint64_t st, uint64_t f)
 {
@@ -634,7 +647,7 @@ waiter_left(struct kl__waitq *q)
 		return;
 	if (pass_on(e, st, &f, true, &held, &granted) != 0)
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 	settle_all(granted, &k);
 	/* Called inside the wait queue's own code, with the lock held
 	 * until it returns. */
@@ -695,7 +708,7 @@ share_now(struct kl__entry *e, struct twaiter *tw, uint64_t *st,
 		rc = KL_OK;
 	}
 	*st = held_word(e, *st, f);
-	atomic_store_explicit(&e->state, *st, memory_order_relaxed);
+	atomic_store_explicit(&e->state, *st, memory_order_release);
 	settle_all(granted, &k);
 	wakes_run(&k);
 	return rc;
@@ -732,7 +745,7 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 					atomic_store_explicit(
 						&e->state,
 						held_word(e, st, *fence),
-						memory_order_relaxed);
+						memory_order_release);
 				}
 			}
 			break;
@@ -898,14 +911,14 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 	}
 	if (pass_on(e, st, &f, held, &held, &granted) != 0) {
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
 		e = NULL;
 	} else if (held) {
 		/* Other shared holders remain. */
 		atomic_store_explicit(&e->state, held_word(e, st, f),
-				      memory_order_relaxed);
+				      memory_order_release);
 		e = NULL;
 	} else if (st & E_SLOT) {
 		/* Waiters came and went: idle, as after a CAS release. */

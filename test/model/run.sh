@@ -66,6 +66,15 @@ CHECKS=(
 	# The head's spin: giving up, it parks by a plain store of PARKED,
 	# hiding a grant published meanwhile (a waiter asleep for ever).
 	"mutant-spin-park|fail|safety|waitq.pml|-DMUTEX -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
+	# The key table's lock modes (modes.pml): the Web Locks rule on one
+	# queue, readers and a writer, then two writers and a reader; its
+	# mutants: a waiter leaving by its deadline without passing the key
+	# on (the kl__waiter.left hook missing), and a reader barging past
+	# the queue.
+	"modes-rwr|pass|safety|modes.pml|-DMODES=5"
+	"modes-wrw|pass|safety|modes.pml|-DMODES=2"
+	"mutant-modes-noleft|fail|safety|modes.pml|-DMODES=5 -DMUTANT_NOLEFT"
+	"mutant-modes-barge|fail|safety|modes.pml|-DMODES=5 -DMUTANT_BARGE"
 )
 
 list=0
