@@ -556,7 +556,7 @@ hash_cmp(const void *a, const void *b)
 /* Every key of the prefix that is held or waited for, by SCAN: each call
  * bounded (SCAN_COUNT keys), none blocking the server. */
 static int
-snapshot_scan(struct kl__redis *r, struct kl__rconn *c, struct hashes *hs,
+snapshot_scan(struct kl__redis *r, struct kl__rconn **cp, struct hashes *hs,
 	      kl_error *err)
 {
 	char cursor[32] = "0", hex[65];
@@ -573,9 +573,20 @@ snapshot_scan(struct kl__redis *r, struct kl__rconn *c, struct hashes *hs,
 	do {
 		redisReply *keys;
 
-		rc = kl__rconn_command(
-			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0), 6,
-			argv, lens, &rep, err);
+		/* A pooled connection the server closed while idle (its
+		 * timeout, a restart) is replaced once, as status does: SCAN
+		 * keeps no state in the connection, so the same cursor goes
+		 * on the new one. */
+		for (int tries = 0;; tries++) {
+			rc = kl__rconn_command(
+				*cp,
+				kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
+				6, argv, lens, &rep, err);
+			if (rc == KL_OK || !(*cp)->broken || tries > 0 ||
+			    (rc = kl__redis_conn_replace(
+				     r, cp, KL_R_NO_DEADLINE, err)) != KL_OK)
+				break;
+		}
 		if (rc != KL_OK)
 			break;
 		if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
@@ -694,7 +705,7 @@ redis_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 
 	rc = kl__redis_conn_get(r, KL_R_NO_DEADLINE, &c, err);
 	if (rc == KL_OK)
-		rc = snapshot_scan(r, c, &hs, err);
+		rc = snapshot_scan(r, &c, &hs, err);
 	for (size_t i = 0; rc == KL_OK && i < hs.n && !stop; i++) {
 		struct kl__rnames n;
 		const char *keys[6];
@@ -704,10 +715,18 @@ redis_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
 		if ((rc = names_of_hex(r, hs.h[i], NULL, &n)) != KL_OK)
 			break;
 		kl__rnames_pick(&n, which, 6, keys, klens);
-		rc = kl__rconn_script(
-			c, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
-			KL_RS_SNAPSHOT, 6, keys, klens, 0, NULL, NULL, &rep,
-			err);
+		for (int tries = 0;; tries++) {
+			rc = kl__rconn_script(
+				c,
+				kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
+				KL_RS_SNAPSHOT, 6, keys, klens, 0, NULL, NULL,
+				&rep, err);
+			/* As status does: once more on a new connection. */
+			if (rc == KL_OK || !c->broken || tries > 0 ||
+			    (rc = kl__redis_conn_replace(
+				     r, &c, KL_R_NO_DEADLINE, err)) != KL_OK)
+				break;
+		}
 		if (rc == KL_OK) {
 			rc = snapshot_key(&n, rep, fn, arg, &stop, err);
 			freeReplyObject(rep);

@@ -277,6 +277,10 @@ static const char script_attempt[] =
 	"if ok then\n"
 	NEXT_FENCE
 	"  if sh then\n"
+	/* Sweeps holders that expired: nothing else does while only shared
+	 * requests come, and each grant pushes the keys' expiry back, so
+	 * the entries of holders that died would pile up for ever. */
+	"    nshared(KEYS[8], KEYS[9])\n"
 	"    redis.call('ZADD', KEYS[8], string.format('%.0f', now + ttl), "
 	"tok)\n"
 	"    redis.call('HSET', KEYS[9], tok, "

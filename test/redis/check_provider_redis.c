@@ -1358,6 +1358,43 @@ START_TEST(test_shared_holder_expires)
 }
 END_TEST
 
+/* A shared holder that died (SIGKILL: no release) is swept out of the
+ * shared holders' keys by the next shared grant: with shared grants
+ * alone, and at least one a ttl, its entry would otherwise stay in :s and
+ * :sm for ever (their expiry is pushed back by every grant), one more per
+ * holder that dies. */
+START_TEST(test_shared_dead_holder_swept)
+{
+	char uri[1024], sk[160], smk[160];
+	const char *args[] = { "holdshared", uri, "sd", "1000", NULL };
+	const char *zc[2] = { "ZCARD", sk };
+	const char *hl[2] = { "HLEN", smk };
+	kl_provider *p = open_default();
+	struct test_helper hp;
+	struct hold a, b;
+	redisContext *c = raw();
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	key_name(sk, sizeof sk, "sd", ":s");
+	key_name(smk, sizeof smk, "sd", ":sm");
+	helper_spawn(&hp, args);
+	test_helper_granted(&hp, TEST_POLL_LIMIT_MS);
+	take_shared_ok(p, "sd", 10000, &a);
+	helper_kill(&hp);
+	/* The dead holder's lease runs out (1 s). */
+	wait_status(p, "sd", 1, 0);
+	/* Shared grants and releases only, as a readers-only workload. */
+	take_shared_ok(p, "sd", 10000, &b);
+	hold_free(&b);
+	ck_assert_int_eq(rint_cmd(c, 2, zc), 1);
+	ck_assert_int_eq(rint_cmd(c, 2, hl), 1);
+	hold_free(&a);
+	ck_assert_int_eq(count_keys(",:f,"), 1);
+	redisFree(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Try-once in both modes: shared with shared holders, never past an
  * exclusive holder; exclusive only on a free key. */
 START_TEST(test_shared_try_once)
@@ -1624,6 +1661,49 @@ START_TEST(test_snapshot)
 	ck_assert_int_eq(sn.n, 0);
 	hold_free(&o);
 	kl_provider_free(other);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A pooled connection that the server closed meanwhile (its idle
+ * "timeout", CLIENT KILL, a restart) costs a snapshot nothing, as it
+ * costs status and release nothing: the command is sent again on a new
+ * connection.  The key held shares the pool's connection's life. */
+START_TEST(test_snapshot_after_idle_close)
+{
+	long long before[256], after[256];
+	size_t nb, na;
+	redisContext *c = raw();
+	kl_provider *p;
+	struct hold a;
+	struct snap sn;
+	kl_error err;
+	int rc;
+
+	memset(&sn, 0, sizeof sn);
+	nb = client_ids(c, before, 256);
+	p = open_default();
+	take_ok(p, "ic", 0, &a);
+	/* A status leaves a second connection in the pool. */
+	test_assert_status(p, "ic", 1, 0);
+	na = client_ids(c, after, 256);
+	for (size_t i = 0; i < na; i++) {
+		char id[32];
+		const char *kill[4] = { "CLIENT", "KILL", "ID", id };
+
+		if (id_in(after[i], before, nb))
+			continue;
+		snprintf(id, sizeof id, "%lld", after[i]);
+		rint_cmd(c, 4, kill);
+	}
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_snapshot(p, snap_fn, &sn, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_int_eq(sn.n, 1);
+	ck_assert(!sn.e[0].waiting && !sn.e[0].shared);
+	ck_assert_uint_eq(sn.e[0].fence, kl_lease_fence(a.lease));
+	hold_free(&a);
+	redisFree(c);
 	kl_provider_free(p);
 }
 END_TEST
@@ -2402,10 +2482,12 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_queue_order);
 	tcase_add_test(tc, test_shared_behind_timed_out_exclusive);
 	tcase_add_test(tc, test_shared_holder_expires);
+	tcase_add_test(tc, test_shared_dead_holder_swept);
 	tcase_add_test(tc, test_shared_try_once);
 	tcase_add_test(tc, test_shared_fences_mixed);
 	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
+	tcase_add_test(tc, test_snapshot_after_idle_close);
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);
 	tcase_add_test(tc, test_restricted_acl_user);
