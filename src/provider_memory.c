@@ -19,10 +19,13 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	int rc;
 
 	(void)ttl_ms; /* a memory lock cannot outlive its process anyway */
-	(void)err;
 	rc = kl__table_acquire(impl, key, key_len, kl__deadline(timeout_ms),
 			       cancel, flags, &e, fence);
 	*lease = e;
+	/* The cycle that made this wait the victim of deadlock detection. */
+	if (rc == KL_EDEADLK && err != NULL &&
+	    kl__deadlock_take(err->message, sizeof err->message))
+		err->status = rc;
 	return rc;
 }
 

@@ -442,11 +442,15 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 		if ((rc = refusal(e, deadline_ns, flags)) != KL_OK)
 			break;
 		if (mark_waiting(e, st)) {
+			struct kl__dl_wait dw;
+
 			/* Waiters queue only on a held key, marked, so its
 			 * holder releases through the lock and hands over. */
 			KL_ASSERT(st & E_HELD);
+			kl__deadlock_arm(&dw, w);
 			rc = kl__waitq_wait(&e->q, w, deadline_ns,
 					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
+			kl__deadlock_disarm(&dw, rc);
 			if (rc == KL_OK) {
 				*out = e;
 				*fence = w->data;
