@@ -59,7 +59,7 @@ KL_API const char *kl_version(void);
 #define KL_EINVAL (-5)     /* bad argument or detectable misuse */
 #define KL_ENOTFOUND (-6)  /* no such named lock */
 #define KL_ENOMEM (-7)     /* out of memory */
-#define KL_EDEADLK (-8)    /* error-check: this thread already holds it */
+#define KL_EDEADLK (-8)    /* this thread holds it (error-check), or a cycle */
 #define KL_EPROVIDER (-9)  /* the provider could not be asked */
 
 /* A static string naming status; total (unknown codes give a generic

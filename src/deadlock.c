@@ -119,6 +119,7 @@ delay_ns(int64_t ms)
 static void
 link_wait(struct kl__dl_wait *dw)
 {
+	dw->walk = 0; /* walks count from 1 */
 	dw->prev = NULL;
 	dw->next = waits;
 	if (waits != NULL)
