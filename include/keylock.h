@@ -531,8 +531,9 @@ KL_API uint64_t kl_lease_fence_at(const kl_lease *lease, size_t i);
  * kl_error names the cycle's keys); the others go on waiting; the victim's
  * own leases stay held until released.  A thread waiting for a key it holds
  * is a cycle of one.  A timeout that ends a wait first gives KL_ETIMEDOUT.
- * Shorter waits cost nothing.  kl_deadlock_ms_set: KL_FOREVER turns it off
- * (waits already checking stop at their next check); KL_EINVAL for other
+ * Shorter waits cost nothing.  kl_deadlock_ms_set: for waits that start
+ * later, and for a wait already checking from its next check on; KL_FOREVER
+ * turns detection off, 0 checks each wait as it starts; KL_EINVAL for other
  * negative values.  Since 0.1. */
 KL_API int kl_deadlock_ms_set(int64_t ms);
 /* The current deadlock_ms (KL_FOREVER when off).  Since 0.1. */

@@ -390,8 +390,107 @@ START_TEST(test_self_cycle)
 	test_assert_status(p, "self", 1, 0);
 	kl_lease_release(a);
 	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
-	/* KL_ERRORCHECK's refusal, at once, has no cycle to name. */
 	kl_lock_free(n.l);
+
+	/* KL_ERRORCHECK's refusal, at once, names no cycle (none left over
+	 * from the waits above either). */
+	{
+		kl_lock_opts o = KL_LOCK_OPTS_INIT;
+
+		o.provider = p;
+		o.flags = KL_ERRORCHECK;
+		ck_assert_int_eq(kl_lock_new(&n.l, &o), KL_OK);
+	}
+	ck_assert_int_eq(kl_lock_acquire(n.l, &call, &a, NULL), KL_OK);
+	b = NULL;
+	ck_assert_int_eq(kl_lock_acquire(n.l, &call, &b, &err), KL_EDEADLK);
+	ck_assert_msg(strstr(err.message, "waits for") == NULL, "message: %s",
+		      err.message);
+	kl_lease_release(a);
+	kl_lock_free(n.l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A key set in a cycle with a single key: one victim; a set that is the
+ * victim gives back the key it took, and its function does not run. */
+struct set_side {
+	kl_lock *l;
+	pthread_barrier_t holds, go;
+	int rc, set_rc, ran;
+	kl_error err, set_err;
+	pthread_t t, s;
+};
+
+/* Holds "b", then waits for "a". */
+static void *
+single_side(void *arg)
+{
+	struct set_side *x = arg;
+	kl_call call = { .key = "b", .cancel = NULL };
+	kl_lease *b = NULL, *a = NULL;
+
+	x->rc = kl_lock_acquire(x->l, &call, &b, NULL);
+	pthread_barrier_wait(&x->holds);
+	pthread_barrier_wait(&x->go);
+	if (x->rc != KL_OK)
+		return NULL;
+	call.key = "a";
+	x->rc = kl_lock_acquire(x->l, &call, &a, &x->err);
+	kl_lease_release(a);
+	kl_lease_release(b);
+	return NULL;
+}
+
+static int
+set_ran(kl_lease *lease, void *arg)
+{
+	(void)lease;
+	((struct set_side *)arg)->ran++;
+	return 0;
+}
+
+/* Takes "a", then waits for "b". */
+static void *
+set_side_run(void *arg)
+{
+	static const char *const keys[] = { "b", "a" };
+	struct set_side *x = arg;
+
+	x->set_rc = kl_lock_run_many(x->l, keys, 2, NULL, set_ran, x, NULL,
+				     &x->set_err);
+	return NULL;
+}
+
+START_TEST(test_set_in_cycle)
+{
+	kl_provider *p = private_provider();
+	struct set_side x;
+
+	memset(&x, 0, sizeof x);
+	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
+	ck_assert_int_eq(pthread_barrier_init(&x.holds, NULL, 2), 0);
+	ck_assert_int_eq(pthread_barrier_init(&x.go, NULL, 2), 0);
+	x.l = lock_make(p, GUARD_MS, NULL, NULL);
+	test_thread_start(&x.t, single_side, &x);
+	pthread_barrier_wait(&x.holds);
+	test_thread_start(&x.s, set_side_run, &x);
+	/* The set holds "a" and waits for "b". */
+	test_wait_status(p, "b", 1, 1, TEST_POLL_LIMIT_MS);
+	pthread_barrier_wait(&x.go);
+	test_thread_join(x.t);
+	test_thread_join(x.s);
+	ck_assert_int_eq((x.rc == KL_EDEADLK) + (x.set_rc == KL_EDEADLK), 1);
+	ck_assert_int_eq((x.rc == KL_OK) + (x.set_rc == KL_OK), 1);
+	ck_assert_int_eq(x.ran, x.set_rc == KL_OK);
+	if (x.set_rc == KL_EDEADLK)
+		ck_assert_msg(strstr(x.set_err.message, "'a'") &&
+				      strstr(x.set_err.message, "'b'"),
+			      "message: %s", x.set_err.message);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	pthread_barrier_destroy(&x.holds);
+	pthread_barrier_destroy(&x.go);
+	kl_lock_free(x.l);
 	kl_provider_free(p);
 }
 END_TEST
@@ -641,6 +740,7 @@ deadlock_suite(void)
 	tcase_add_test(tc, test_cycle_across_providers);
 	tcase_add_test(tc, test_self_cycle);
 	tcase_add_test(tc, test_rejected_event);
+	tcase_add_test(tc, test_set_in_cycle);
 	tc = test_tcase(s, "timeouts", 120, NULL, NULL);
 	tcase_add_test(tc, test_timeout_first);
 	tcase_add_test(tc, test_self_timeout_first);
