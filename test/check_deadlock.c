@@ -190,7 +190,7 @@ ring_fini(struct ring *r)
 /* The victim of a ring: exactly one, still holding its key with its
  * predecessor waiting for it; the others granted after it released. */
 static void
-assert_one_victim(struct ring *r, int deadlk, int ok)
+assert_one_victim_after(struct ring *r, int deadlk, int ok, int64_t min_ms)
 {
 	ck_assert_int_eq(deadlk, 1);
 	ck_assert_int_eq(ok, r->n - 1);
@@ -200,7 +200,7 @@ assert_one_victim(struct ring *r, int deadlk, int ok)
 		if (m->rc == KL_EDEADLK) {
 			ck_assert_uint_eq(m->holders, 1);
 			ck_assert_uint_eq(m->waiters, 1);
-			ck_assert_int_ge(m->waited_ns, DL_MS * 1000000LL);
+			ck_assert_int_ge(m->waited_ns, min_ms * 1000000LL);
 			ck_assert_int_eq(m->err.status, KL_EDEADLK);
 			ck_assert_msg(strstr(m->err.message, "deadlock") !=
 					      NULL,
@@ -209,6 +209,12 @@ assert_one_victim(struct ring *r, int deadlk, int ok)
 			ck_assert(m->saw_release);
 		}
 	}
+}
+
+static void
+assert_one_victim(struct ring *r, int deadlk, int ok)
+{
+	assert_one_victim_after(r, deadlk, ok, DL_MS);
 }
 
 START_TEST(test_two_cycle)
@@ -298,6 +304,25 @@ assert_timed_out(struct ring *r, int deadlk, int ok, int to,
 			ck_assert_int_ge(r->m[i].waited_ns,
 					 timeout_ms * 1000000LL);
 }
+
+/* Checked as they start (0 ms), both waits of a two-cycle check at about
+ * the same moment, round after round: one victim each time. */
+START_TEST(test_cycles_checked_at_once)
+{
+	long rounds = kl_test_scaled(40, 10);
+	struct ring r;
+	int deadlk, ok, to;
+
+	ck_assert_int_eq(kl_deadlock_ms_set(0), KL_OK);
+	for (long i = 0; i < rounds; i++) {
+		ring_init(&r, i % 2 == 0 ? 2 : 3,
+			  (const char *const[]){ "p", "q", "r" });
+		ring_run(&r, GUARD_MS, &deadlk, &ok, &to);
+		assert_one_victim_after(&r, deadlk, ok, 0);
+		ring_fini(&r);
+	}
+}
+END_TEST
 
 /* A timeout that comes before deadlock_ms ends the waits as before. */
 START_TEST(test_timeout_first)
@@ -741,6 +766,7 @@ deadlock_suite(void)
 	tcase_add_test(tc, test_self_cycle);
 	tcase_add_test(tc, test_rejected_event);
 	tcase_add_test(tc, test_set_in_cycle);
+	tcase_add_test(tc, test_cycles_checked_at_once);
 	tc = test_tcase(s, "timeouts", 120, NULL, NULL);
 	tcase_add_test(tc, test_timeout_first);
 	tcase_add_test(tc, test_self_timeout_first);
