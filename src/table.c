@@ -298,9 +298,30 @@ kl__table_waited_holders(struct kl__waiter *w, kl__holder_fn *fn, void *arg,
 	/* A key taken without the lock gets its holder's id just after the
 	 * take, and had 0 before (no thread's id): for that moment no holder
 	 * is seen, which can only miss a cycle until the next check, never
-	 * make one up.  The grant is the fence: one per grant of the key. */
-	if ((st & E_HELD) && tid != 0)
+	 * make one up.  The grant of an exclusive holder is the fence: one
+	 * per grant of the key.
+	 *
+	 * A lone shared holder (E_SOLO) keeps no fence of its own once
+	 * others joined it (the word's is the latest grant's), so its grant
+	 * is the word's fence as read now.  That still names one hold: every
+	 * grant of the key raises the fence, and the key stays held while w
+	 * waits, so the same fence at two readings means nothing was granted
+	 * in between, E_SOLO included (only a grant sets it): the same lone
+	 * holder held all along.  A fence that moved only makes the second
+	 * pass fail.  With an exclusive request at the head of the queue
+	 * (the key held shared and someone waits), nothing is granted until
+	 * a holder leaves, so a real cycle keeps its fence. */
+	if ((st & E_HELD) && tid != 0 && (!held_shared(st) || (st & E_SOLO)))
 		fn(arg, tid, fence_of(st));
+	/* Each shared holder in the ring by the fence of its own grant. */
+	if (shared_of(e, st) != NULL) {
+		const struct kl__holder *h = e->shared;
+
+		do {
+			fn(arg, h->tid, h->fence);
+			h = h->next;
+		} while (h != e->shared);
+	}
 	if (shown != NULL)
 		kl__key_printable(shown, size, e->key, e->len);
 	pthread_mutex_unlock(w->lock);

@@ -191,7 +191,8 @@ typedef void kl__holder_fn(void *arg, uint64_t tid, uint64_t grant);
  * with the lock held (fn takes no lock), writes a printable form of the
  * key to shown (size bytes; not when NULL) and returns true.  False,
  * calling nothing, once w no longer waits.  The one place that knows who
- * holds a key: shared holders are added here. */
+ * holds a key: the exclusive holder, a lone shared one (E_SOLO), and
+ * every holder record of the shared ring. */
 KL_HIDDEN bool kl__table_waited_holders(struct kl__waiter *w,
 					kl__holder_fn *fn, void *arg,
 					char *shown, size_t size);

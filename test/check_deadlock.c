@@ -8,7 +8,11 @@
  * long waits that form no cycle, nor among key sets checked at once; a
  * timeout shorter than deadlock_ms, and detection off, end KL_ETIMEDOUT;
  * the message names the cycle's keys; the REJECTED event; the setting;
- * detection allocates nothing.
+ * detection allocates nothing.  With KL_SHARED: cycles through a shared
+ * holder (alone or in the key's ring of records) and through shared
+ * waits have one victim; many shared holders and a waiting writer, no
+ * cycle, none; a reader queued behind a victim writer is granted as the
+ * victim leaves.
  *
  * deadlock_ms is small here (150 ms) to keep the suite short; every wait
  * has a long timeout that only guards against a hang.  Outcomes are
@@ -45,17 +49,25 @@ private_provider(void)
 }
 
 static kl_lock *
-lock_make(kl_provider *p, int64_t timeout_ms, kl_event_fn fn, void *arg)
+lock_make_flags(kl_provider *p, int64_t timeout_ms, unsigned flags,
+		kl_event_fn fn, void *arg)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
 	kl_lock *l = NULL;
 
 	o.provider = p;
+	o.flags = flags;
 	o.timeout_ms = timeout_ms;
 	o.on_event = fn;
 	o.event_arg = arg;
 	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
 	return l;
+}
+
+static kl_lock *
+lock_make(kl_provider *p, int64_t timeout_ms, kl_event_fn fn, void *arg)
+{
+	return lock_make_flags(p, timeout_ms, 0, fn, arg);
 }
 
 /* ------------------------------------------------------------------ */
@@ -82,6 +94,11 @@ struct ring {
 	kl_lock *l[MAXT];     /* for thread i's second key */
 	const char *key[MAXT];
 	kl_cancel *cancel;    /* thread 0's second wait, when set */
+	/* KL_SHARED or 0: thread i's own key, its second key */
+	unsigned own_flags[MAXT], next_flags[MAXT];
+	/* Thread 0 takes its own key with it, when set: shared, that makes
+	 * a holder record in the key's ring, not a lone holder. */
+	kl_cancel *own_cancel;
 	bool arm;             /* fail the next allocation once all hold */
 	long allocs;          /* made since then, when armed */
 	pthread_barrier_t all_hold, armed;
@@ -97,7 +114,8 @@ member_run(void *arg)
 	int j = (m->i + 1) % r->n;
 	kl_lease *own = NULL, *next = NULL;
 	kl_lock *mine = r->own[m->i];
-	kl_call call = { .key = r->key[m->i], .cancel = NULL };
+	kl_call call = { .key = r->key[m->i],
+			 .cancel = m->i == 0 ? r->own_cancel : NULL };
 	int64_t t0;
 
 	if (kl_lock_acquire(mine, &call, &own, NULL) != KL_OK) {
@@ -145,9 +163,10 @@ ring_run(struct ring *r, int64_t timeout_ms, int *deadlk, int *ok,
 	for (int i = 0; i < r->n; i++) {
 		r->m[i].r = r;
 		r->m[i].i = i;
-		r->own[i] = lock_make(r->p[i], GUARD_MS, NULL, NULL);
-		r->l[i] = lock_make(r->p[(i + 1) % r->n], timeout_ms, NULL,
-				    NULL);
+		r->own[i] = lock_make_flags(r->p[i], GUARD_MS,
+					    r->own_flags[i], NULL, NULL);
+		r->l[i] = lock_make_flags(r->p[(i + 1) % r->n], timeout_ms,
+					  r->next_flags[i], NULL, NULL);
 		test_thread_start(&r->m[i].t, member_run, &r->m[i]);
 	}
 	for (int i = 0; i < r->n; i++) {
@@ -753,6 +772,353 @@ START_TEST(test_setting)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ */
+/* Shared holders and shared waits (KL_SHARED)                         */
+
+/* A ring whose member 0 holds its key shared: alone (E_SOLO), or, with a
+ * cancel token, by a holder record in the key's ring; member 1 holds its
+ * key exclusively.  Both then wait exclusively: one victim. */
+START_TEST(test_cycle_shared_holder)
+{
+	static const char *const keys[] = { "read", "write" };
+	struct ring r;
+	int deadlk, ok, to;
+
+	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
+	for (int ringed = 0; ringed < 2; ringed++) {
+		ring_init(&r, 2, keys);
+		r.own_flags[0] = KL_SHARED;
+		if (ringed)
+			ck_assert_int_eq(kl_cancel_new(&r.own_cancel), KL_OK);
+		ring_run(&r, GUARD_MS, &deadlk, &ok, &to);
+		assert_one_victim(&r, deadlk, ok);
+		for (int i = 0; i < 2; i++)
+			if (r.m[i].rc == KL_EDEADLK)
+				ck_assert_msg(strstr(r.m[i].err.message,
+						     "'read'") &&
+						      strstr(r.m[i].err.message,
+							     "'write'"),
+					      "message: %s",
+					      r.m[i].err.message);
+		kl_cancel_free(r.own_cancel);
+		ring_fini(&r);
+	}
+}
+END_TEST
+
+/* A shared request waits like an exclusive one.  Cycles with member 0's
+ * wait shared (for a key held exclusively), with both waits shared, and
+ * with member 0 holding its key shared (by a holder record: a token) and
+ * waiting shared while member 1 waits for that key exclusively: one
+ * victim each. */
+START_TEST(test_cycle_shared_waiter)
+{
+	static const char *const keys[] = { "left", "right" };
+	struct ring r;
+	int deadlk, ok, to;
+
+	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
+	for (int v = 0; v < 3; v++) {
+		ring_init(&r, 2, keys);
+		r.next_flags[0] = KL_SHARED;
+		if (v == 1)
+			r.next_flags[1] = KL_SHARED;
+		if (v == 2) {
+			r.own_flags[0] = KL_SHARED;
+			ck_assert_int_eq(kl_cancel_new(&r.own_cancel), KL_OK);
+		}
+		ring_run(&r, GUARD_MS, &deadlk, &ok, &to);
+		assert_one_victim(&r, deadlk, ok);
+		kl_cancel_free(r.own_cancel);
+		ring_fini(&r);
+	}
+}
+END_TEST
+
+/* No cycle through many shared holders: readers hold "k" (the first
+ * alone, the others by records), one of them waits for "n", held by the
+ * test's thread; a writer holding "m" waits for "k"; a reader waits for
+ * "m".  Every wait is checked several times; none is a victim, and all
+ * are granted once "n" is given back. */
+#define NREAD 4
+
+struct nv {
+	kl_provider *p;
+	kl_lock *rd, *wr;
+	atomic_bool go;
+	int rc[NREAD + 2];
+	pthread_t t[NREAD + 2];
+};
+
+struct nv_arg {
+	struct nv *v;
+	int i;
+};
+
+static void
+nv_wait_go(struct nv *v)
+{
+	for (int i = 0; i < GUARD_MS && !atomic_load(&v->go); i++)
+		test_sleep_ms(1);
+}
+
+static void *
+nv_reader(void *arg)
+{
+	struct nv_arg *a = arg;
+	struct nv *v = a->v;
+	kl_call call = { .key = "k", .cancel = NULL };
+	kl_lease *k = NULL, *n = NULL;
+
+	if ((a->v->rc[a->i] = kl_lock_acquire(v->rd, &call, &k, NULL)) !=
+	    KL_OK)
+		return NULL;
+	if (a->i == 0) {
+		call.key = "n";
+		v->rc[a->i] = kl_lock_acquire(v->wr, &call, &n, NULL);
+		if (n != NULL)
+			kl_lease_release(n);
+	} else {
+		nv_wait_go(v);
+	}
+	kl_lease_release(k);
+	return NULL;
+}
+
+static void *
+nv_writer(void *arg)
+{
+	struct nv_arg *a = arg;
+	struct nv *v = a->v;
+	kl_call call = { .key = "m", .cancel = NULL };
+	kl_lease *m = NULL, *k = NULL;
+
+	if ((v->rc[a->i] = kl_lock_acquire(v->wr, &call, &m, NULL)) != KL_OK)
+		return NULL;
+	call.key = "k";
+	if ((v->rc[a->i] = kl_lock_acquire(v->wr, &call, &k, NULL)) == KL_OK)
+		kl_lease_release(k);
+	kl_lease_release(m);
+	return NULL;
+}
+
+static void *
+nv_late_reader(void *arg)
+{
+	struct nv_arg *a = arg;
+	kl_call call = { .key = "m", .cancel = NULL };
+	kl_lease *m = NULL;
+
+	if ((a->v->rc[a->i] = kl_lock_acquire(a->v->rd, &call, &m, NULL)) ==
+	    KL_OK)
+		kl_lease_release(m);
+	return NULL;
+}
+
+START_TEST(test_shared_no_victim)
+{
+	struct nv v;
+	struct nv_arg a[NREAD + 2];
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_call call = { .key = "n", .cancel = NULL };
+	kl_lease *n = NULL;
+
+	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
+	memset(&v, 0, sizeof v);
+	atomic_init(&v.go, false);
+	v.p = private_provider();
+	o.provider = v.p;
+	o.timeout_ms = GUARD_MS;
+	o.flags = KL_SHARED;
+	ck_assert_int_eq(kl_lock_new(&v.rd, &o), KL_OK);
+	v.wr = lock_make(v.p, GUARD_MS, NULL, NULL);
+	ck_assert_int_eq(kl_lock_acquire(v.wr, &call, &n, NULL), KL_OK);
+	for (int i = 0; i < NREAD + 2; i++) {
+		a[i].v = &v;
+		a[i].i = i;
+	}
+	for (int i = 0; i < NREAD; i++) {
+		test_thread_start(&v.t[i], nv_reader, &a[i]);
+		/* The first alone; then the others join it. */
+		test_wait_status(v.p, "k", (size_t)i + 1, 0, GUARD_MS);
+	}
+	test_wait_status(v.p, "n", 1, 1, GUARD_MS);
+	test_thread_start(&v.t[NREAD], nv_writer, &a[NREAD]);
+	test_wait_status(v.p, "k", NREAD, 1, GUARD_MS);
+	test_thread_start(&v.t[NREAD + 1], nv_late_reader, &a[NREAD + 1]);
+	test_wait_status(v.p, "m", 1, 1, GUARD_MS);
+	/* Several checks of every wait. */
+	test_sleep_ms(4 * DL_MS);
+	test_assert_status(v.p, "k", NREAD, 1);
+	test_assert_status(v.p, "m", 1, 1);
+	test_assert_status(v.p, "n", 1, 1);
+	atomic_store(&v.go, true);
+	kl_lease_release(n);
+	for (int i = 0; i < NREAD + 2; i++)
+		test_thread_join(v.t[i]);
+	for (int i = 0; i < NREAD + 2; i++)
+		ck_assert_msg(v.rc[i] == KL_OK, "thread %d: %s", i,
+			      kl_strerror(v.rc[i]));
+	kl_lock_free(v.rd);
+	kl_lock_free(v.wr);
+	ck_assert_uint_eq(kl_memory_provider_size(v.p), 0);
+	kl_provider_free(v.p);
+}
+END_TEST
+
+/* A reader queued behind a writer that is the victim of a cycle: X holds
+ * "a" shared (by a record: a token) and waits for "b"; Y holds "b" and
+ * then waits for "a" exclusively, R asks for "a" shared behind Y (Web
+ * Locks: behind a queued writer).  Y's wait closes the cycle last, so it
+ * is the victim; leaving, it grants R, which shares "a" with X while Y
+ * still holds "b" (Y releases it only once R was granted).  A round where
+ * R was not seen queued before Y left, or where X's check came first, is
+ * run again. */
+struct rb {
+	kl_provider *p;
+	kl_lock *rd, *wr;
+	kl_cancel *tok;
+	atomic_bool x_go, y_go, r_granted, y_done;
+	int x_rc, y_rc, r_rc;
+	bool y_saw_r;
+	kl_error y_err;
+};
+
+static void
+rb_wait(atomic_bool *b, int64_t limit_ms)
+{
+	for (int64_t i = 0; i < limit_ms && !atomic_load(b); i++)
+		test_sleep_ms(1);
+}
+
+static void *
+rb_x(void *arg)
+{
+	struct rb *r = arg;
+	kl_call call = { .key = "a", .cancel = r->tok };
+	kl_lease *a = NULL, *b = NULL;
+
+	if ((r->x_rc = kl_lock_acquire(r->rd, &call, &a, NULL)) != KL_OK)
+		return NULL;
+	rb_wait(&r->x_go, GUARD_MS);
+	call.key = "b";
+	call.cancel = NULL;
+	if ((r->x_rc = kl_lock_acquire(r->wr, &call, &b, NULL)) == KL_OK)
+		kl_lease_release(b);
+	kl_lease_release(a);
+	return NULL;
+}
+
+static void *
+rb_y(void *arg)
+{
+	struct rb *r = arg;
+	kl_call call = { .key = "b", .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL;
+
+	if ((r->y_rc = kl_lock_acquire(r->wr, &call, &b, NULL)) != KL_OK) {
+		atomic_store(&r->y_done, true);
+		return NULL;
+	}
+	rb_wait(&r->y_go, GUARD_MS);
+	call.key = "a";
+	r->y_rc = kl_lock_acquire(r->wr, &call, &a, &r->y_err);
+	atomic_store(&r->y_done, true);
+	if (r->y_rc == KL_OK) {
+		kl_lease_release(a);
+	} else if (r->y_rc == KL_EDEADLK) {
+		/* A hang guard: R is granted at once, or never. */
+		rb_wait(&r->r_granted, 10000);
+		r->y_saw_r = atomic_load(&r->r_granted);
+	}
+	kl_lease_release(b);
+	return NULL;
+}
+
+static void *
+rb_r(void *arg)
+{
+	struct rb *r = arg;
+	kl_call call = { .key = "a", .cancel = NULL };
+	kl_lease *a = NULL;
+
+	r->r_rc = kl_lock_acquire(r->rd, &call, &a, NULL);
+	atomic_store(&r->r_granted, true);
+	if (r->r_rc == KL_OK)
+		kl_lease_release(a);
+	return NULL;
+}
+
+START_TEST(test_reader_behind_victim)
+{
+	long rounds = 0, conclusive = 0;
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+
+	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
+	while (conclusive == 0 && rounds++ < 8) {
+		struct rb r;
+		pthread_t x, y, rt;
+		size_t holders = 0, waiters = 0;
+		bool queued = false;
+
+		memset(&r, 0, sizeof r);
+		atomic_init(&r.x_go, false);
+		atomic_init(&r.y_go, false);
+		atomic_init(&r.r_granted, false);
+		atomic_init(&r.y_done, false);
+		r.p = private_provider();
+		o.provider = r.p;
+		o.timeout_ms = GUARD_MS;
+		o.flags = KL_SHARED;
+		ck_assert_int_eq(kl_lock_new(&r.rd, &o), KL_OK);
+		r.wr = lock_make(r.p, GUARD_MS, NULL, NULL);
+		ck_assert_int_eq(kl_cancel_new(&r.tok), KL_OK);
+		test_thread_start(&x, rb_x, &r);
+		test_wait_status(r.p, "a", 1, 0, GUARD_MS);
+		test_thread_start(&y, rb_y, &r);
+		test_wait_status(r.p, "b", 1, 0, GUARD_MS);
+		atomic_store(&r.x_go, true);
+		test_wait_status(r.p, "b", 1, 1, GUARD_MS);
+		atomic_store(&r.y_go, true);
+		test_wait_status(r.p, "a", 1, 1, GUARD_MS);
+		test_thread_start(&rt, rb_r, &r);
+		/* R queued behind Y while Y still waits, or not this round. */
+		while (!atomic_load(&r.y_done)) {
+			kl_provider_status(r.p, "a", &holders, &waiters, NULL);
+			if (waiters == 2) {
+				queued = true;
+				break;
+			}
+			test_sleep_ms(1);
+		}
+		test_thread_join(y);
+		test_thread_join(x);
+		test_thread_join(rt);
+		ck_assert_int_eq((r.x_rc == KL_EDEADLK) +
+					 (r.y_rc == KL_EDEADLK),
+				 1);
+		ck_assert_int_eq(r.r_rc, KL_OK);
+		if (queued && r.y_rc == KL_EDEADLK) {
+			conclusive++;
+			ck_assert_int_eq(r.x_rc, KL_OK);
+			ck_assert_msg(r.y_saw_r,
+				      "the reader behind the victim was not "
+				      "granted while the victim held its key");
+			ck_assert_int_eq(r.y_err.status, KL_EDEADLK);
+			ck_assert_msg(strstr(r.y_err.message, "'a'") &&
+					      strstr(r.y_err.message, "'b'"),
+				      "message: %s", r.y_err.message);
+		}
+		kl_cancel_free(r.tok);
+		kl_lock_free(r.rd);
+		kl_lock_free(r.wr);
+		ck_assert_uint_eq(kl_memory_provider_size(r.p), 0);
+		kl_provider_free(r.p);
+	}
+	ck_assert_int_ge(conclusive, 1);
+}
+END_TEST
+
 static Suite *
 deadlock_suite(void)
 {
@@ -767,6 +1133,10 @@ deadlock_suite(void)
 	tcase_add_test(tc, test_rejected_event);
 	tcase_add_test(tc, test_set_in_cycle);
 	tcase_add_test(tc, test_cycles_checked_at_once);
+	tc = test_tcase(s, "shared", 120, NULL, NULL);
+	tcase_add_test(tc, test_cycle_shared_holder);
+	tcase_add_test(tc, test_cycle_shared_waiter);
+	tcase_add_test(tc, test_reader_behind_victim);
 	tc = test_tcase(s, "timeouts", 120, NULL, NULL);
 	tcase_add_test(tc, test_timeout_first);
 	tcase_add_test(tc, test_self_timeout_first);
@@ -774,6 +1144,7 @@ deadlock_suite(void)
 	tc = test_tcase(s, "no victim", 300, NULL, NULL);
 	tcase_add_test(tc, test_long_chain_no_victim);
 	tcase_add_test(tc, test_key_sets_no_victim);
+	tcase_add_test(tc, test_shared_no_victim);
 	tc = test_tcase(s, "setting", 60, NULL, NULL);
 	tcase_add_test(tc, test_setting);
 	tcase_add_test(tc, test_no_allocation);
