@@ -59,7 +59,7 @@ KL_API const char *kl_version(void);
 #define KL_EINVAL (-5)     /* bad argument or detectable misuse */
 #define KL_ENOTFOUND (-6)  /* no such named lock */
 #define KL_ENOMEM (-7)     /* out of memory */
-#define KL_EDEADLK (-8)    /* error-check: this thread already holds it */
+#define KL_EDEADLK (-8)    /* this thread holds it (error-check), or a cycle */
 #define KL_EPROVIDER (-9)  /* the provider could not be asked */
 
 /* A static string naming status; total (unknown codes give a generic
@@ -520,6 +520,24 @@ KL_API size_t kl_lease_count(const kl_lease *lease);
 KL_API const char *kl_lease_key_at(const kl_lease *lease, size_t i);
 /* The fence of key i (0 when i >= count).  Since 0.1. */
 KL_API uint64_t kl_lease_fence_at(const kl_lease *lease, size_t i);
+
+/* Deadlock detection of the memory provider (kl_lock over
+ * kl_memory_provider() or kl_memory_provider_new(); not kl_mutex, not the
+ * registry), process-wide, on by default.  A wait for a key that has lasted
+ * deadlock_ms (default 1000, or KEYLOCK_DEADLOCK_MS read once at first use)
+ * checks the waits-for graph (thread -> key it waits for -> the thread
+ * that acquired that key -> ...), and again every deadlock_ms.  Exactly one
+ * waiter of a cycle ends with KL_EDEADLK (and a REJECTED event; the
+ * kl_error names the cycle's keys); the others go on waiting; the victim's
+ * own leases stay held until released.  A thread waiting for a key it holds
+ * is a cycle of one.  A timeout that ends a wait first gives KL_ETIMEDOUT.
+ * Shorter waits cost nothing.  kl_deadlock_ms_set: for waits that start
+ * later, and for a wait already checking from its next check on; KL_FOREVER
+ * turns detection off, 0 checks each wait as it starts; KL_EINVAL for other
+ * negative values.  Since 0.1. */
+KL_API int kl_deadlock_ms_set(int64_t ms);
+/* The current deadlock_ms (KL_FOREVER when off).  Since 0.1. */
+KL_API int64_t kl_deadlock_ms(void);
 
 #ifdef __cplusplus
 }

@@ -17,6 +17,8 @@ dist_man_MANS = \
 	man/kl_cancel_free.3 \
 	man/kl_cancel_new.3 \
 	man/kl_cancel_new_timeout.3 \
+	man/kl_deadlock_ms.3 \
+	man/kl_deadlock_ms_set.3 \
 	man/kl_duration_parse.3 \
 	man/kl_lease_count.3 \
 	man/kl_lease_fence.3 \

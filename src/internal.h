@@ -184,6 +184,15 @@ struct kl__waiter {
 	 * cancel token, never after a grant or an eviction.  The key table
 	 * grants the shared requests that this waiter stood in front of. */
 	void (*left)(struct kl__waitq *q);
+	/* A check the queue's user hands the waiter (NULL: none; the key
+	 * table's deadlock detection): called by the waiting thread, with
+	 * no lock held, check_ns after the wait starts and then check_ns
+	 * after each call that returned KL_OK (check_ns < 0 after a call:
+	 * no more calls).  Any other status ends the wait with it, as a
+	 * timeout does, unless an outcome came first. */
+	int (*check)(struct kl__waiter *w);
+	void *check_arg;
+	int64_t check_ns;
 };
 
 /* The waiters form a ring through next and prev: head->prev is the tail.
@@ -260,6 +269,15 @@ KL_HIDDEN void kl__waitq_fail_all(struct kl__waitq *q, int status);
 KL_HIDDEN void kl__waitq_reduce(struct kl__waitq *q, size_t max_queue,
 				kl_overflow overflow);
 KL_HIDDEN bool kl__overflow_valid(kl_overflow o);
+
+/* ------------------------------------------------------------------ */
+/* deadlock.c (with the key table): what the callers of kl__table_acquire
+ * need of it. */
+
+/* Copies why this thread's last acquire of a table key ended with
+ * KL_EDEADLK by deadlock detection into buf and forgets it; false (buf
+ * untouched) when it did not (KL_ERRORCHECK's refusal). */
+KL_HIDDEN bool kl__deadlock_take(char *buf, size_t size);
 
 /* ------------------------------------------------------------------ */
 /* Little-endian loads of 8 and 4 bytes at any alignment, for the hashes

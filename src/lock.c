@@ -235,13 +235,17 @@ resolve_key(kl_lock *l, const kl_call *call, const char **key, size_t *len,
 }
 
 /* Fills err for a failure rc to acquire key; detail is the provider's
- * message ("" for none). */
-static void
+ * message ("" for none; for a key of a table, the cycle that deadlock
+ * detection found, taken here, err or not). */
+static __attribute__((noinline, cold)) void
 rejected(const kl_lock *l, const char *key, size_t len, int rc,
 	 const char *detail, kl_error *err)
 {
-	char shown[72];
+	char shown[72], cycle[sizeof err->message];
 
+	if (rc == KL_EDEADLK && detail[0] == '\0' &&
+	    kl__deadlock_take(cycle, sizeof cycle))
+		detail = cycle;
 	if (err == NULL)
 		return;
 	kl__key_printable(shown, sizeof shown, key, len);

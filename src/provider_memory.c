@@ -20,6 +20,17 @@
 #define SOLO_LEASE ((uintptr_t)2)
 #define LEASE_KIND (SHARED_LEASE | SOLO_LEASE)
 
+/* rc; for a wait chosen as the victim of deadlock detection, with the
+ * cycle it closed in err. */
+static int
+deadlock_why(int rc, kl_error *err)
+{
+	if (rc == KL_EDEADLK && err != NULL &&
+	    kl__deadlock_take(err->message, sizeof err->message))
+		err->status = rc;
+	return rc;
+}
+
 static int
 mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	    int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
@@ -30,7 +41,6 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	int rc;
 
 	(void)ttl_ms; /* a memory lock cannot outlive its process anyway */
-	(void)err;
 	if (flags & KL_SHARED) {
 		/* Without a token (one fired must fail even on a free key),
 		 * a free key is taken as an exclusive one is, without the
@@ -49,7 +59,7 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 					      flags, h, fence);
 		if (rc != KL_OK) {
 			kl__free(h);
-			return rc;
+			return deadlock_why(rc, err);
 		}
 		*lease = (void *)((uintptr_t)h | SHARED_LEASE);
 		return KL_OK;
@@ -57,7 +67,7 @@ mem_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	rc = kl__table_acquire(impl, key, key_len, kl__deadline(timeout_ms),
 			       cancel, flags, &e, fence);
 	*lease = e;
-	return rc;
+	return deadlock_why(rc, err);
 }
 
 static int

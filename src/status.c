@@ -39,7 +39,7 @@ kl_strerror(int status)
 	case KL_ENOMEM:
 		return "out of memory";
 	case KL_EDEADLK:
-		return "lock already held by this thread";
+		return "deadlock: lock held by this thread, or a cycle of waits";
 	case KL_EPROVIDER:
 		return "lock provider failure";
 	default:

@@ -275,6 +275,59 @@ kl__table_status(struct kl__table *t, const char *key, size_t len,
 	return KL_OK;
 }
 
+bool
+kl__table_waited_holders(struct kl__waiter *w, kl__holder_fn *fn, void *arg,
+			 char *shown, size_t size)
+{
+	struct kl__entry *e;
+	uint64_t st, tid;
+
+	pthread_mutex_lock(w->lock);
+	if (w->state != KL_W_WAITING) {
+		pthread_mutex_unlock(w->lock);
+		return false;
+	}
+	/* A queued waiter's queue is its entry's, which stays while it has
+	 * waiters, held: its holder hands it over under this lock. */
+	e = (struct kl__entry *)(void *)((char *)w->q -
+					 offsetof(struct kl__entry, q));
+	/* Acquire: what a lock-free taker wrote before it took the key (its
+	 * key, when it stole the slot). */
+	st = state_of(e, memory_order_acquire);
+	tid = atomic_load_explicit(&e->owner_tid, memory_order_relaxed);
+	/* A key taken without the lock gets its holder's id just after the
+	 * take, and had 0 before (no thread's id): for that moment no holder
+	 * is seen, which can only miss a cycle until the next check, never
+	 * make one up.  The grant of an exclusive holder is the fence: one
+	 * per grant of the key.
+	 *
+	 * A lone shared holder (E_SOLO) keeps no fence of its own once
+	 * others joined it (the word's is the latest grant's), so its grant
+	 * is the word's fence as read now.  That still names one hold: every
+	 * grant of the key raises the fence, and the key stays held while w
+	 * waits, so the same fence at two readings means nothing was granted
+	 * in between, E_SOLO included (only a grant sets it): the same lone
+	 * holder held all along.  A fence that moved only makes the second
+	 * pass fail.  With an exclusive request at the head of the queue
+	 * (the key held shared and someone waits), nothing is granted until
+	 * a holder leaves, so a real cycle keeps its fence. */
+	if ((st & E_HELD) && tid != 0 && (!held_shared(st) || (st & E_SOLO)))
+		fn(arg, tid, fence_of(st));
+	/* Each shared holder in the ring by the fence of its own grant. */
+	if (shared_of(e, st) != NULL) {
+		const struct kl__holder *h = e->shared;
+
+		do {
+			fn(arg, h->tid, h->fence);
+			h = h->next;
+		} while (h != e->shared);
+	}
+	if (shown != NULL)
+		kl__key_printable(shown, size, e->key, e->len);
+	pthread_mutex_unlock(w->lock);
+	return true;
+}
+
 size_t
 kl__table_queue_size(struct kl__table *t, const char *key, size_t len)
 {

@@ -101,7 +101,8 @@ KL_HIDDEN void kl__table_free(struct kl__table *t);
  * KL_OK with *out (the entry, to pass to release) and *fence (grows with
  * every grant of the key while the entry lives, and across entries: it is
  * taken from the key's shard's counter); KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
- * (flags KL_ERRORCHECK and this thread holds it), KL_ENOMEM. */
+ * (flags KL_ERRORCHECK and this thread holds it; or the wait closed a cycle
+ * of waits, deadlock.c, and kl__deadlock_take says which), KL_ENOMEM. */
 KL_HIDDEN int kl__table_acquire(struct kl__table *t, const char *key,
 				size_t len, int64_t deadline_ns, kl_cancel *c,
 				unsigned flags, struct kl__entry **out,
@@ -179,6 +180,55 @@ KL_HIDDEN int kl__table_status(struct kl__table *t, const char *key,
 /* Waiters queued on key (0 when the key has no entry). */
 KL_HIDDEN size_t kl__table_queue_size(struct kl__table *t, const char *key,
 				      size_t len);
+
+/* One holder of a key, for the deadlock detector (deadlock.c): the thread
+ * that took it (kl__thread_id) and its grant, a number the key never gives
+ * to two grants (today its fence), so that a holder seen with the same
+ * grant twice held the key all along in between. */
+typedef void kl__holder_fn(void *arg, uint64_t tid, uint64_t grant);
+/* While w waits in the queue of a key (KL_W_WAITING, read under w->lock,
+ * which this takes and drops): calls fn once for each holder of the key,
+ * with the lock held (fn takes no lock), writes a printable form of the
+ * key to shown (size bytes; not when NULL) and returns true.  False,
+ * calling nothing, once w no longer waits.  The one place that knows who
+ * holds a key: the exclusive holder, a lone shared one (E_SOLO), and
+ * every holder record of the shared ring. */
+KL_HIDDEN bool kl__table_waited_holders(struct kl__waiter *w,
+					kl__holder_fn *fn, void *arg,
+					char *shown, size_t size);
+
+/*
+ * deadlock.c: the waits-for graph of the tables' waiters.  A waiter of a
+ * key arms its wait (kl__deadlock_arm, before kl__waitq_wait): when
+ * detection is on, the wait queue calls the detector once the wait has
+ * lasted the process's deadlock_ms, and again every deadlock_ms after
+ * that.  Only then does the waiter register in the graph and walk it.
+ * kl__deadlock_disarm, after the wait, unregisters it; both cost a branch
+ * or two while the wait stays shorter.  The record lives on the waiting
+ * thread's stack, beside its waiter, and must outlive disarm.
+ */
+struct kl__dl_wait {
+	struct kl__dl_wait *next, *prev; /* the registry (detector's lock) */
+	struct kl__waiter *w;
+	bool registered; /* written under the detector's lock by its thread */
+	bool victim;     /* its thread's own: the detector chose it */
+	/* A walk's scratch (detector's lock). */
+	uint64_t walk;   /* the walk that reached it */
+	struct kl__dl_wait *from, *to; /* the path: who waits for its key */
+	uint64_t grant;  /* the grant by which it holds from's key */
+};
+
+/* Readies dw for w; sets w's check when detection is on. */
+KL_HIDDEN void kl__deadlock_arm(struct kl__dl_wait *dw, struct kl__waiter *w);
+KL_HIDDEN void kl__deadlock_leave(struct kl__dl_wait *dw, int rc);
+/* After the wait, whose outcome is rc: takes dw out of the graph if it is
+ * in it (a victim granted after all forgets why it was chosen). */
+static inline void
+kl__deadlock_disarm(struct kl__dl_wait *dw, int rc)
+{
+	if (__builtin_expect(dw->registered || dw->victim, 0))
+		kl__deadlock_leave(dw, rc);
+}
 
 #ifdef KL_TEST_HOOKS
 /* Checks every shard of t under its lock: bucket array shape, each chained

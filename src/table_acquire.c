@@ -769,11 +769,15 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 			break;
 		}
 		if (mark_waiting(e, st)) {
+			struct kl__dl_wait dw;
+
 			/* Waiters queue only on a held key, marked, so its
 			 * holder releases through the lock and hands over. */
 			KL_ASSERT(st & E_HELD);
+			kl__deadlock_arm(&dw, &tw->w);
 			rc = kl__waitq_wait(&e->q, &tw->w, deadline_ns,
 					    KL_UNBOUNDED, KL_OVERFLOW_THIS);
+			kl__deadlock_disarm(&dw, rc);
 			if (rc == KL_OK) {
 				*out = e;
 				*fence = tw->w.data;

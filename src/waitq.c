@@ -322,6 +322,9 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->data = 0;
 	w->left = NULL;
 	w->expire_ns = KL_NO_DEADLINE;
+	w->check = NULL;
+	w->check_arg = NULL;
+	w->check_ns = -1;
 	if (c != NULL) {
 		w->chook.fire = cancel_fired;
 		w->chook.arg = w;
@@ -425,6 +428,13 @@ crowded(uint64_t tid)
 	return __builtin_popcountll(now) > ncpu();
 }
 
+/* t + d (d >= 0), saturating at KL_NO_DEADLINE. */
+static int64_t
+add_ns(int64_t t, int64_t d)
+{
+	return t > KL_NO_DEADLINE - d ? KL_NO_DEADLINE : t + d;
+}
+
 static void
 spin(struct kl__waiter *w)
 {
@@ -446,7 +456,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	       int64_t deadline_ns, size_t max_queue, kl_overflow overflow)
 {
 	unsigned awake = W_AWAKE;
-	int oldstate;
+	int64_t check_at = KL_NO_DEADLINE, wake_at, now;
+	int oldstate, status;
 	bool crowd;
 
 	if (w->state == KL_W_DONE) { /* canceled before it could queue */
@@ -470,6 +481,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		w->expire_ns = deadline_ns;
 	if (w->since_ns == 0)
 		w->since_ns = kl__now_ns();
+	if (w->check != NULL && w->check_ns >= 0)
+		check_at = add_ns(w->since_ns, w->check_ns);
 	append(q, w);
 	KL_YIELD("enqueue");
 	/* Spin only as the head, and only while the holder and this waiter
@@ -495,12 +508,13 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		spin(w);
 	}
 	while (!outcome_published(w)) {
+		wake_at = check_at < w->expire_ns ? check_at : w->expire_ns;
 		if (atomic_compare_exchange_strong_explicit(
 			    &w->word, &awake, W_PARKED, memory_order_acquire,
 			    memory_order_acquire) ||
 		    awake == W_PARKED) {
 			TEST_COUNT(test_parked, 1);
-			park(&w->word, w->expire_ns);
+			park(&w->word, wake_at);
 			TEST_COUNT(test_parked, -1);
 		}
 		awake = W_PRODDED;
@@ -515,13 +529,26 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 			spin(w);
 		}
 		awake = W_AWAKE;
-		if (outcome_published(w) || w->expire_ns == KL_NO_DEADLINE)
+		if (outcome_published(w) || wake_at == KL_NO_DEADLINE)
 			continue;
 		/* Never early: trust the clock, not the wake-up. */
-		int64_t now = kl__now_ns();
-
-		if (now < w->expire_ns)
+		now = kl__now_ns();
+		if (now < wake_at)
 			continue;
+		if (now < w->expire_ns) {
+			/* The check is due, not the deadline: the waiter
+			 * stays queued while it runs, and a grant meanwhile
+			 * wins over what it returns. */
+			if ((status = w->check(w)) == KL_OK) {
+				check_at = w->check_ns < 0
+						   ? KL_NO_DEADLINE
+						   : add_ns(kl__now_ns(),
+								w->check_ns);
+				continue;
+			}
+		} else {
+			status = expiry_status(w, now);
+		}
 		KL_YIELD("timeout");
 		/* Through w->lock, never q: once a granter has failed this
 		 * waiter on its own, the queue's owner (a key table entry)
@@ -531,7 +558,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		if (w->state == KL_W_WAITING) {
 			unlink_waiter(w->q, w);
 			w->state = KL_W_DONE;
-			w->status = expiry_status(w, now);
+			w->status = status;
 			atomic_store_explicit(&w->word, W_SETTLED,
 					      memory_order_relaxed);
 			if (w->left != NULL)

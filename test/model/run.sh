@@ -38,6 +38,9 @@ CHECKS=(
 	# Mutex: enter (fast path, QUEUED bit), hand-off, timeout, cancel,
 	# abort_pending; every mix of deadlines and tokens over 3 clients.
 	"mutex-core|pass|safety|waitq.pml|-DMUTEX -DMAXQ=255 -DADMIN=-1"
+	# A check that may end a wait on its own (deadlock detection of the
+	# key table), racing grants, timeouts and cancels.
+	"mutex-check|pass|safety|waitq.pml|-DMUTEX -DCHECK -DDL=3 -DTOK=4 -DMAXQ=255 -DADMIN=-1"
 	# The same races with spurious futex wake-ups.
 	"mutex-spurious|pass|safety|waitq.pml|-DMUTEX -DSPURIOUS -DDL=3 -DTOK=6 -DMAXQ=255 -DADMIN=-1"
 	# Overflow on entry (max_queue 1) and eviction by set_opts (to 1 or

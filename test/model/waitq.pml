@@ -23,6 +23,11 @@
  *   MUTANT_SPIN_PARK a spinning head that gives up parks by storing PARKED
  *                    instead of going through the compare-and-swap from
  *                    AWAKE
+ *   CHECK            each waiter has a check (kl__waiter.check: the key
+ *                    table's deadlock detection), due once at a timed
+ *                    wake-up, that may end its wait like a timeout with a
+ *                    status of its own (EDEADLK) unless an outcome came
+ *                    first; granters know nothing of it
  *   LIVENESS         adds the claim "every call returns" (pan -a -f)
  *   SPURIOUS         futex waits may also end spuriously (off by default:
  *                    an ever-possible wake-up would hide a lost wake-up,
@@ -104,6 +109,7 @@
 #define ETIMEDOUT 1
 #define ECANCELED 2
 #define EOVERFLOW 3
+#define EDEADLK 4
 #define EPENDING 9
 
 /* Waiter states (enum kl__wstate). */
@@ -141,6 +147,7 @@ byte word[N + 1];
 bool sleeping[N + 1];
 bool hasdl[N + 1];   /* the call has a deadline */
 bool expired[N + 1]; /* ... and it has passed */
+bool checked[N + 1]; /* CHECK: the waiter's check has run */
 bool hastok[N + 1];  /* the call has a cancel token (one per client) */
 bool fired[N + 1];
 bool registered[N + 1];
@@ -385,6 +392,9 @@ inline waitq_park(me)
 		if
 		:: !sleeping[me] -> skip /* woken, or never slept */
 		:: atomic { sleeping[me] && expired[me] -> sleeping[me] = false }
+#ifdef CHECK
+		:: atomic { sleeping[me] && !checked[me] -> sleeping[me] = false }
+#endif
 #ifdef SPURIOUS
 		:: atomic { sleeping[me] -> sleeping[me] = false }
 #endif
@@ -416,7 +426,33 @@ inline waitq_park(me)
 				unlock(qlock)
 			}
 		:: else -> skip
-		fi
+		fi;
+#ifdef CHECK
+		/* The check, due (its time has come) and run without the
+		 * lock: it finds nothing and the waiter goes on, or it ends
+		 * the wait through the timeout's path with its own status. */
+		if
+		:: word[me] != SETTLED && !checked[me] ->
+			checked[me] = true;
+			if
+			:: skip
+			:: atomic {
+				lock(qlock, me);
+				if
+				:: wstate[me] == W_WAITING ->
+					unlink(me);
+					wstate[me] = W_DONE;
+					wstatus[me] = EDEADLK;
+					word[me] = SETTLED
+				:: else -> skip
+				fi;
+				unlock(qlock)
+			   }
+			fi
+		:: else -> skip
+		fi;
+#endif
+		skip
 	od;
 	if
 	:: wstate[me] == W_GRANTED -> rc = OK

@@ -45,6 +45,7 @@ table.c 4
 table_acquire.c 4
 table_check.c 4
 table.h 4
+deadlock.c 4
 registry.c 5
 provider.c 6
 provider_memory.c 7
