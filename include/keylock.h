@@ -462,8 +462,10 @@ KL_API int kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 KL_API void kl_lock_free(kl_lock *l);
 /* Acquires the key (the lock's, else the call's), runs fn(arg), releases on
  * every path.  Returns KL_OK (fn ran; *fn_result gets its value) or why the
- * lock was not acquired: KL_ENOKEY, KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK,
- * KL_ENOMEM, KL_EPROVIDER.  call may be NULL.  Since 0.1. */
+ * lock was not acquired: KL_ENOKEY, KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
+ * (error-check, or a deadlock victim), KL_ENOMEM, KL_EPROVIDER, KL_EINVAL
+ * (NULL l or fn, or a flag the provider refuses).  call may be NULL.  Since
+ * 0.1. */
 KL_API int kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg),
 		       void *arg, int *fn_result, kl_error *err);
 /* The function kl_lock_run_lease runs: it gets the lease it runs under and
