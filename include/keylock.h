@@ -107,7 +107,9 @@ typedef enum {
 } kl_overflow;
 
 /* flags: the holding thread entering again gets KL_EDEADLK.  Fixed at
- * creation for a kl_mutex (kl_mutex_set_opts). */
+ * creation for a kl_mutex (kl_mutex_set_opts).  For kl_lock: honoured by the
+ * memory, local: and PostgreSQL providers in both modes; the Redis provider
+ * returns KL_EINVAL (its leases are not tied to a thread). */
 #define KL_ERRORCHECK 0x1u
 /* flags: eventual fairness instead of strict FIFO (kl_mutex only).  A leave
  * wakes the head waiter to compete instead of handing over, so a running
@@ -121,8 +123,9 @@ typedef enum {
  * exclusive holder.  A run of shared requests at the head is granted
  * together, the next exclusive one stops it, and a shared request never
  * passes a queued exclusive one.  Every grant of either mode gets a larger
- * fence.  A provider that cannot take keys shared returns KL_EINVAL.
- * kl_mutex and the registry have one mode.  Since 0.1. */
+ * fence.  A provider that cannot take keys shared returns KL_EINVAL (the
+ * memory, local:, Redis and PostgreSQL providers all can).  kl_mutex and
+ * the registry have one mode.  Since 0.1. */
 #define KL_SHARED 0x4u
 #define KL_UNBOUNDED SIZE_MAX
 
@@ -331,10 +334,10 @@ typedef int (*kl_snapshot_fn)(const kl_lock_info *info, void *arg);
  *   handle is invalid afterwards whatever the status.
  * valid: false once a lease was lost (NULL member: always true).
  * destroy: free impl when the provider is freed (NULL member: nothing).
- * status: how many hold key (0 or 1) and how many wait for it, as far as
- *   the provider can tell; KL_OK, or KL_EPROVIDER with err filled (NULL
- *   member: the provider cannot tell).  Every holder counts: a key held
- *   shared may have many.
+ * status: how many hold key (every holder: a key held shared may have
+ *   many) and how many wait for it, as far as the provider can tell; KL_OK,
+ *   or KL_EPROVIDER with err filled (NULL member: the provider cannot
+ *   tell).
  * watch: asks to be told when lease is lost (a distributed lease that could
  *   not be renewed): the provider then calls lost(ctx) once, from any
  *   thread, with none of its locks held, and never after release of that
@@ -459,8 +462,10 @@ KL_API int kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 KL_API void kl_lock_free(kl_lock *l);
 /* Acquires the key (the lock's, else the call's), runs fn(arg), releases on
  * every path.  Returns KL_OK (fn ran; *fn_result gets its value) or why the
- * lock was not acquired: KL_ENOKEY, KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK,
- * KL_ENOMEM, KL_EPROVIDER.  call may be NULL.  Since 0.1. */
+ * lock was not acquired: KL_ENOKEY, KL_ETIMEDOUT, KL_ECANCELED, KL_EDEADLK
+ * (error-check, or a deadlock victim), KL_ENOMEM, KL_EPROVIDER, KL_EINVAL
+ * (NULL l or fn, or a flag the provider refuses).  call may be NULL.  Since
+ * 0.1. */
 KL_API int kl_lock_run(kl_lock *l, const kl_call *call, int (*fn)(void *arg),
 		       void *arg, int *fn_result, kl_error *err);
 /* The function kl_lock_run_lease runs: it gets the lease it runs under and
@@ -525,8 +530,9 @@ KL_API uint64_t kl_lease_fence_at(const kl_lease *lease, size_t i);
  * kl_memory_provider() or kl_memory_provider_new(); not kl_mutex, not the
  * registry), process-wide, on by default.  A wait for a key that has lasted
  * deadlock_ms (default 1000, or KEYLOCK_DEADLOCK_MS read once at first use)
- * checks the waits-for graph (thread -> key it waits for -> the thread
- * that acquired that key -> ...), and again every deadlock_ms.  Exactly one
+ * checks the waits-for graph (thread -> key it waits for -> the threads
+ * that acquired that key, every shared holder -> ...), and again every
+ * deadlock_ms.  Exactly one
  * waiter of a cycle ends with KL_EDEADLK (and a REJECTED event; the
  * kl_error names the cycle's keys); the others go on waiting; the victim's
  * own leases stay held until released.  A thread waiting for a key it holds
