@@ -98,7 +98,7 @@ else
 	jq -e --argjson a "$pid_a" --argjson b "$pid_b" --argjson x "$pid_x" '
 		all(.[]; .detail | test("^advisory lock -?[0-9]+ \\(classid [0-9]+, objid [0-9]+\\), server process [0-9]+$")) and
 		all(.[]; .pid > 0 and .pid != $a and .pid != $b and .pid != $x and
-		    (.detail | endswith(", server process \(.pid)"))) and
+		    (.pid as $p | .detail | endswith(", server process \($p)"))) and
 		(.[0].pid != .[1].pid) and .[0].fence == null and .[1].fence == null' \
 		"$TMP/mine" >/dev/null ||
 		fail "list --json: PostgreSQL details, pids or fences: $(cat "$TMP/mine")"
