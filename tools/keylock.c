@@ -811,15 +811,43 @@ nomem:
 	return 1;
 }
 
+/* The length of the part of a detail that names the lock: the PostgreSQL
+ * provider ends each entry's detail with the session's ", server process
+ * N", so that the holders and waiters of one advisory lock differ there
+ * only (kl_pg_provider_open(3)). */
+static size_t
+lock_name_len(const char *detail)
+{
+	static const char tail[] = ", server process ";
+	const char *t = strstr(detail, tail), *d;
+
+	while (t != NULL) {
+		d = t + sizeof tail - 1;
+		if (*d >= '0' && *d <= '9') {
+			while (*d >= '0' && *d <= '9')
+				d++;
+			if (*d == '\0')
+				return (size_t)(t - detail);
+		}
+		t = strstr(t + 1, tail);
+	}
+	return strlen(detail);
+}
+
 static bool
 same_key(const struct entry *a, const struct entry *b)
 {
+	size_t n;
+
 	if (a->key != NULL || b->key != NULL)
 		return a->key != NULL && b->key != NULL &&
 		       a->key_len == b->key_len &&
 		       memcmp(a->key, b->key, a->key_len) == 0;
-	return a->detail != NULL && b->detail != NULL &&
-	       strcmp(a->detail, b->detail) == 0;
+	if (a->detail == NULL || b->detail == NULL)
+		return false;
+	n = lock_name_len(a->detail);
+	return n == lock_name_len(b->detail) &&
+	       memcmp(a->detail, b->detail, n) == 0;
 }
 
 /* Takes the snapshot of p into sn and counts each key's waiters (the

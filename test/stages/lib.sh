@@ -174,12 +174,13 @@ result_line() {
 	echo "0 $1 $2 $3" >"$STAGE_RESULT"
 }
 
-# cli_remote URI: the command's conflict and FIFO tests once more, against
+# cli_remote URI: the command's conflict and FIFO tests once more, and its
+# shared mode, list and status (remote_modes.sh, run only here), against
 # the server the stage runs; added to the stage's counts.
 cli_remote() {
 	local uri=$1 t rc=0 n=0 f=0 s1 t1 f1 k1
 	mk "$PLAIN" tools/keylock
-	for t in conflict fifo; do
+	for t in conflict fifo remote_modes; do
 		n=$((n + 1))
 		if ! (cd "$PLAIN" && top_builddir=$PLAIN \
 			KEYLOCK_CLI_PROVIDER=$uri bash "$ROOT/test/cli/$t.sh"); then

@@ -168,7 +168,7 @@ stage_pg() {
 		say "error: test/pg/check_provider_pg did not run and pass" >&2
 		[ "$rc" -ne 0 ] || rc=1
 	fi
-	progress "pg: test/cli/conflict.sh and fifo.sh, keylock-bench provider --quick"
+	progress "pg: test/cli/conflict.sh, fifo.sh and remote_modes.sh, keylock-bench provider --quick"
 	cli_remote "$KEYLOCK_TEST_PG_URI" || rc=1
 	bench_provider "$KEYLOCK_TEST_PG_URI" || rc=1
 	return $rc

@@ -139,7 +139,7 @@ stage_redis() {
 			[ "$rc" -ne 0 ] || rc=1
 		fi
 	done
-	progress "redis: test/cli/conflict.sh and fifo.sh, keylock-bench provider --quick, test/cli/secrets.sh"
+	progress "redis: test/cli/conflict.sh, fifo.sh and remote_modes.sh, keylock-bench provider --quick, test/cli/secrets.sh"
 	cli_remote "$KEYLOCK_TEST_REDIS_URI?restart_guard=0" || rc=1
 	bench_provider "$KEYLOCK_TEST_REDIS_URI?restart_guard=0" || rc=1
 	cli_secrets || rc=1
