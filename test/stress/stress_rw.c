@@ -19,6 +19,14 @@
  * coming: no writer starves behind readers.  It asserts on counts, never on
  * times (the bounds are hang guards).  Then the provider is empty and its
  * invariants hold (also checked now and then during the run).
+ *
+ * Then the same checks on keys that share slots: groups of short keys that
+ * all hash to one slot of one shard, and a long key in that shard, taken in
+ * both modes by every thread, so that lone shared takes without the lock
+ * (E_SOLO) race steals of the idle slot by the other keys of its group,
+ * chain marks, unchains and the floors of fences; now and then a holder
+ * asks for its own key again with KL_ERRORCHECK, which must say
+ * KL_EDEADLK in either mode.
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -31,6 +39,7 @@
 #include <string.h>
 
 #include "internal.h" /* kl__test_check_invariants */
+#include "table.h"    /* kl__table_hash, kl__table_new */
 #include "keylock.h"
 #include "stress.h"
 
@@ -357,6 +366,224 @@ START_TEST(test_readers_writers)
 }
 END_TEST
 
+/* ------------------------------------------------------------------ */
+/* Keys that share slots                                               */
+
+#define CL_THREADS 8
+#define CL_GROUPS 4
+#define CL_SHORT 4                         /* short keys per group */
+#define CL_KEYS (CL_GROUPS * (CL_SHORT + 1)) /* and a long one */
+#define CL_OPS 100000
+
+struct cl {
+	kl_provider *p;
+	/* [shared][forever, once, 1 ms][KL_ERRORCHECK] */
+	kl_lock *l[2][3][2];
+	char names[CL_KEYS][48];
+	struct rw_key keys[CL_KEYS];
+	long ops;
+	atomic_long violations, fence_errors, errors, errorcheck_errors,
+		invariant_errors, grants;
+};
+
+struct cl_worker {
+	struct cl *x;
+	int idx;
+	pthread_t th;
+};
+
+/* Fills x->names: per group, CL_SHORT short keys that the provider's table
+ * puts in one slot of one shard (its hash is the process's, as every
+ * table's), and a long key of that shard. */
+static void
+cl_names(struct cl *x)
+{
+	struct kl__table *t;
+	int n = 0;
+
+	st_assert(kl__table_new(&t) == KL_OK, "table");
+	for (int g = 0; g < CL_GROUPS; g++) {
+		uint32_t shard = 0, slot = 0;
+		int got = 0;
+
+		for (int c = 0; got < CL_SHORT; c++) {
+			char b[16];
+			uint32_t h;
+
+			snprintf(b, sizeof b, "cl%d.%d", g, c);
+			h = kl__table_hash(t, b, strlen(b));
+			if (got == 0) {
+				/* Groups in different shards. */
+				if ((h >> 26) % CL_GROUPS != (uint32_t)g)
+					continue;
+				shard = h >> 26;
+				slot = kl__table_slot_of(h);
+			} else if (h >> 26 != shard ||
+				   kl__table_slot_of(h) != slot) {
+				continue;
+			}
+			memcpy(x->names[n++], b, sizeof b);
+			got++;
+		}
+		for (int c = 0;; c++) {
+			char b[48];
+
+			snprintf(b, sizeof b, "cl%d: a long key, %d", g, c);
+			if (kl__table_hash(t, b, strlen(b)) >> 26 != shard)
+				continue;
+			memcpy(x->names[n++], b, sizeof b);
+			break;
+		}
+	}
+	kl__table_free(t);
+}
+
+/* The checks of inside(), on entering k's section with fence, and on
+ * leaving it. */
+static void
+cl_begin(struct cl *x, struct rw_key *k, bool writer, uint64_t fence)
+{
+	if (writer) {
+		if (atomic_fetch_add(&k->writers, 1) != 0 ||
+		    atomic_load(&k->readers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		if (fence <= atomic_load(&k->max_fence))
+			atomic_fetch_add(&x->fence_errors, 1);
+		atomic_store(&k->last_write, fence);
+	} else {
+		atomic_fetch_add(&k->readers, 1);
+		if (atomic_load(&k->writers) != 0)
+			atomic_fetch_add(&x->violations, 1);
+		if (fence <= atomic_load(&k->last_write))
+			atomic_fetch_add(&x->fence_errors, 1);
+	}
+	fence_max(&k->max_fence, fence);
+}
+
+static void
+cl_end(struct cl *x, struct rw_key *k, bool writer)
+{
+	if (atomic_load(writer ? &k->readers : &k->writers) != 0)
+		atomic_fetch_add(&x->violations, 1);
+	atomic_fetch_sub(writer ? &k->writers : &k->readers, 1);
+}
+
+static void *
+cl_main(void *arg)
+{
+	struct cl_worker *w = arg;
+	struct cl *x = w->x;
+	struct st_rng r;
+	struct st_slot tok;
+
+	st_rng_init(&r, 0x5c00 + (uint64_t)w->idx);
+	st_slot_init(&tok);
+	for (long i = 0; i < x->ops; i++) {
+		int k = (int)st_below(&r, CL_KEYS);
+		bool sh = st_below(&r, 3) != 0;
+		kl_call call = { .key = x->names[k], .cancel = NULL };
+		kl_lease *lease = NULL, *again = NULL;
+		kl_lock *l = x->l[sh][st_below(&r, 3)][st_below(&r, 4) == 0];
+		int rc;
+
+		/* With a token, a shared request goes through the lock (no
+		 * E_SOLO take); some fire before the call. */
+		if (st_below(&r, 4) == 0) {
+			call.cancel = st_slot_token(&tok, &r);
+			if (st_below(&r, 2) == 0)
+				st_slot_fire(&tok);
+		}
+		rc = kl_lock_acquire(l, &call, &lease, NULL);
+		if (rc == KL_ETIMEDOUT || rc == KL_ECANCELED)
+			continue;
+		if (rc != KL_OK) {
+			atomic_fetch_add(&x->errors, 1);
+			continue;
+		}
+		cl_begin(x, &x->keys[k], !sh, kl_lease_fence(lease));
+		if (st_below(&r, 8) == 0)
+			sched_yield(); /* let others come and queue */
+		if (st_below(&r, 8) == 0) {
+			/* This thread holds the key: a second request of it
+			 * with KL_ERRORCHECK, in either mode, must fail. */
+			call.cancel = NULL;
+			rc = kl_lock_acquire(x->l[st_below(&r, 2)][1][1], &call,
+					     &again, NULL);
+			if (rc != KL_EDEADLK) {
+				atomic_fetch_add(&x->errorcheck_errors, 1);
+				if (rc == KL_OK)
+					kl_lease_release(again);
+			}
+		}
+		if (i % CHECK_EVERY == CHECK_EVERY - 1 &&
+		    kl__test_check_invariants(x->p) != KL_OK)
+			atomic_fetch_add(&x->invariant_errors, 1);
+		cl_end(x, &x->keys[k], !sh);
+		kl_lease_release(lease);
+		atomic_fetch_add(&x->grants, 1);
+	}
+	st_slot_fini(&tok);
+	return NULL;
+}
+
+START_TEST(test_colliding_keys)
+{
+	static struct cl x;
+	static struct cl_worker w[CL_THREADS];
+	const int64_t timeouts[3] = { KL_FOREVER, 0, 1 };
+
+	st_begin("keys sharing slots: exclusion, fences, errorcheck");
+	memset(&x, 0, sizeof x);
+	x.ops = st_scaled(CL_OPS, 1, 500);
+	cl_names(&x);
+	st_assert(kl_memory_provider_new(&x.p) == KL_OK, "provider");
+	for (int a = 0; a < 2; a++)
+		for (int b = 0; b < 3; b++)
+			for (int c = 0; c < 2; c++)
+				x.l[a][b][c] = rw_lock(
+					x.p,
+					(a ? KL_SHARED : 0) |
+						(c ? KL_ERRORCHECK : 0),
+					timeouts[b]);
+	for (int i = 0; i < CL_THREADS; i++) {
+		w[i].x = &x;
+		w[i].idx = i;
+		st_thread_start(&w[i].th, 0, cl_main, &w[i]);
+	}
+	for (int i = 0; i < CL_THREADS; i++)
+		st_thread_join(w[i].th);
+	st_note("%d threads x %ld operations on %d keys: %ld grants, "
+		"%ld violations, %ld fence errors, %ld errors, "
+		"%ld errorcheck errors",
+		CL_THREADS, x.ops, CL_KEYS, atomic_load(&x.grants),
+		atomic_load(&x.violations), atomic_load(&x.fence_errors),
+		atomic_load(&x.errors), atomic_load(&x.errorcheck_errors));
+	st_assert(atomic_load(&x.violations) == 0,
+		  "%ld times a writer was not alone",
+		  atomic_load(&x.violations));
+	st_assert(atomic_load(&x.fence_errors) == 0,
+		  "%ld fences did not grow past earlier grants",
+		  atomic_load(&x.fence_errors));
+	st_assert(atomic_load(&x.errors) == 0, "%ld unexpected statuses",
+		  atomic_load(&x.errors));
+	st_assert(atomic_load(&x.errorcheck_errors) == 0,
+		  "%ld times KL_ERRORCHECK let a holder ask for its key",
+		  atomic_load(&x.errorcheck_errors));
+	st_assert(kl_memory_provider_size(x.p) == 0,
+		  "provider keeps %zu keys", kl_memory_provider_size(x.p));
+	if (kl__test_check_invariants(x.p) != KL_OK)
+		atomic_fetch_add(&x.invariant_errors, 1);
+	st_assert(atomic_load(&x.invariant_errors) == 0,
+		  "%ld invariant checks failed (see stderr)",
+		  atomic_load(&x.invariant_errors));
+	for (int a = 0; a < 2; a++)
+		for (int b = 0; b < 3; b++)
+			for (int c = 0; c < 2; c++)
+				kl_lock_free(x.l[a][b][c]);
+	kl_provider_free(x.p);
+}
+END_TEST
+
 static Suite *
 rw_suite(void)
 {
@@ -365,6 +592,10 @@ rw_suite(void)
 
 	tcase_set_timeout(tc, ST_TIMEOUT);
 	tcase_add_test(tc, test_readers_writers);
+	suite_add_tcase(s, tc);
+	tc = tcase_create("colliding_keys");
+	tcase_set_timeout(tc, ST_TIMEOUT);
+	tcase_add_test(tc, test_colliding_keys);
 	suite_add_tcase(s, tc);
 	return s;
 }
