@@ -400,7 +400,7 @@ redis_valid(void *impl, void *lease)
 	bool valid;
 
 	pthread_mutex_lock(&r->mu);
-	if (!l->lost && kl__redis_now_ns() >= l->valid_until) {
+	if (!l->lost && kl__now_ns() >= l->valid_until) {
 		l->lost = true;
 		pthread_cond_broadcast(&r->cv);
 	}

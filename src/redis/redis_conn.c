@@ -137,7 +137,7 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 		secs = INT64_C(1) << 40;
 	c->up_ms = secs > 0 ? secs * 1000 - 1000 : 0;
 	/* Our clock from after the reply: INFO ran before it. */
-	c->t0_ns = kl__redis_now_ns();
+	c->t0_ns = kl__now_ns();
 	if (!info_field(r->str, "redis_version", buf, sizeof buf)) {
 		snprintf(buf, sizeof buf, "of no stated version");
 	} else {
@@ -166,7 +166,7 @@ identify(struct kl__rconn *c, const redisReply *r, kl_error *err)
 int64_t
 kl__rconn_uptime_ms(const struct kl__rconn *c)
 {
-	int64_t d = kl__redis_now_ns() - c->t0_ns;
+	int64_t d = kl__now_ns() - c->t0_ns;
 
 	return c->up_ms + (d > 0 ? d / 1000000 : 0);
 }
@@ -234,7 +234,7 @@ kl__rconn_open(const struct kl__redis_conf *conf, int64_t cap_ns,
 
 	*out = NULL;
 	if (cap_ns != KL_R_NO_DEADLINE) {
-		left = (cap_ns - kl__redis_now_ns()) / 1000000;
+		left = (cap_ns - kl__now_ns()) / 1000000;
 		if (left < connect_ms)
 			connect_ms = left > 1 ? left : 1;
 	}

@@ -164,7 +164,7 @@ void
 kl__redis_guard_need(struct kl__redis *r, int64_t ttl_ms, int64_t *ms,
 		     bool *use_rec, bool *refresh)
 {
-	int64_t now = kl__redis_now_ns();
+	int64_t now = kl__now_ns();
 
 	pthread_mutex_lock(&r->mu);
 	if (ttl_ms > r->max_ttl_ms)

@@ -82,7 +82,6 @@ KL_RHIDDEN void kl__redis_conf_clear(struct kl__redis_conf *conf);
 /* Shared helpers (redis_util.c) */
 
 /* CLOCK_MONOTONIC nanoseconds. */
-KL_RHIDDEN int64_t kl__redis_now_ns(void);
 /* now + ms, saturating at KL_R_NO_DEADLINE; KL_FOREVER gives it too. */
 KL_RHIDDEN int64_t kl__redis_deadline(int64_t ms);
 /* getpid(), cached per process (a fork() child finds it anew). */
@@ -155,7 +154,7 @@ KL_RHIDDEN int64_t kl__rconn_uptime_ms(const struct kl__rconn *c);
 /* redis_io.c.  A blocking recv() waits one SO_RCVTIMEO slice at most,
  * which kl__rconn_open sets to this many milliseconds or less. */
 #define KL_R_RCV_SLICE_MS 100
-/* 1 when fd is ready for events, 0 at deadline (kl__redis_now_ns), -1 on
+/* 1 when fd is ready for events, 0 at deadline (kl__now_ns), -1 on
  * a poll error; EINTR never extends the deadline. */
 KL_RHIDDEN int kl__redis_wait_fd(int fd, short events, int64_t deadline);
 /* Writes the commands appended to c's hiredis context and reads their n

@@ -161,7 +161,7 @@ kl__redis_wait_fd(int fd, short events, int64_t deadline)
 	struct pollfd p = { .fd = fd, .events = events };
 
 	for (;;) {
-		int64_t now = kl__redis_now_ns(), ms;
+		int64_t now = kl__now_ns(), ms;
 		int r;
 
 		if (now >= deadline)
@@ -198,7 +198,7 @@ read_some(struct kl__rconn *c, int64_t deadline)
 	char buf[16 * 1024];
 
 	for (;;) {
-		int64_t now = kl__redis_now_ns();
+		int64_t now = kl__now_ns();
 		bool polled = false;
 		ssize_t n;
 		int r;

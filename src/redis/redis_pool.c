@@ -90,7 +90,7 @@ int64_t
 kl__redis_cmd_deadline(const struct kl__redis *r, int64_t wait_deadline,
 		       int64_t extra_ns)
 {
-	int64_t now = kl__redis_now_ns();
+	int64_t now = kl__now_ns();
 	int64_t d = now + extra_ns + r->conf.timeout_ms * KL_R_MS, cap;
 
 	if (wait_deadline != KL_R_NO_DEADLINE) {

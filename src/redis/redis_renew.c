@@ -97,15 +97,15 @@ renew_once(struct kl__redis *r, struct kl__rlease *l, int64_t cap,
 	}
 	/* An answer after the lease ran out would come too late anyway: stop
 	 * waiting then, so that its loss is reported at once. */
-	if (cap < kl__redis_now_ns() + 10 * KL_R_MS)
-		cap = kl__redis_now_ns() + 10 * KL_R_MS;
+	if (cap < kl__now_ns() + 10 * KL_R_MS)
+		cap = kl__now_ns() + 10 * KL_R_MS;
 	if (r->rconn == NULL &&
 	    kl__redis_conn_new(r, cap, &r->rconn, NULL) != KL_OK)
 		return -1;
 	deadline = kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0);
 	if (cap < deadline)
 		deadline = cap;
-	*sent_ns = kl__redis_now_ns();
+	*sent_ns = kl__now_ns();
 	rc = kl__rconn_script(r->rconn, deadline, KL_RS_RENEW, 3, keys, klens,
 			      2, args, alens, &rep, NULL);
 	if (rc != KL_OK)
@@ -131,7 +131,7 @@ undo_try(struct kl__redis *r, struct kl__rlease *l)
 
 	for (i = 0; i < l->nstale; i++) {
 		rc = kl__rconn_drain(l->stale[i],
-				     kl__redis_now_ns() +
+				     kl__now_ns() +
 					     UNDO_SLICE_MS * KL_R_MS);
 		if (rc == KL_ETIMEDOUT)
 			return false;
@@ -149,7 +149,7 @@ undo_try(struct kl__redis *r, struct kl__rlease *l)
 		 * they made was made by now, and expires a ttl later. */
 		if (l->undo_until == 0)
 			l->undo_until = kl__redis_deadline(l->ttl_ms);
-		if (kl__redis_now_ns() >= l->undo_until)
+		if (kl__now_ns() >= l->undo_until)
 			return true;
 		if (kl__redis_conn_new(
 			    r, kl__redis_cmd_deadline(r, KL_R_NO_DEADLINE, 0),
@@ -189,7 +189,7 @@ renewer(void *arg)
 
 	pthread_mutex_lock(&r->mu);
 	while (!r->stopping) {
-		int64_t now = kl__redis_now_ns(), next = KL_R_NO_DEADLINE;
+		int64_t now = kl__now_ns(), next = KL_R_NO_DEADLINE;
 		struct kl__rlease *l, *due = NULL, *cb = NULL;
 
 		for (l = r->leases; l != NULL; l = l->next) {
@@ -234,7 +234,7 @@ renewer(void *arg)
 			pthread_mutex_unlock(&r->mu);
 			res = renew_once(r, due, until, &sent);
 			pthread_mutex_lock(&r->mu);
-			now = kl__redis_now_ns();
+			now = kl__now_ns();
 			if (!due->released && !due->lost) {
 				if (res == 1) {
 					due->valid_until =
@@ -273,7 +273,7 @@ renewer(void *arg)
 				u->undo_next = NULL;
 				*r->undo_tail = u;
 				r->undo_tail = &u->undo_next;
-				r->undo_at = kl__redis_now_ns() +
+				r->undo_at = kl__now_ns() +
 					     UNDO_RETRY_MS * KL_R_MS;
 			}
 			continue;

@@ -24,18 +24,9 @@
 #include "redis_internal.h"
 
 int64_t
-kl__redis_now_ns(void)
-{
-	struct timespec ts;
-
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
-int64_t
 kl__redis_deadline(int64_t ms)
 {
-	int64_t now = kl__redis_now_ns();
+	int64_t now = kl__now_ns();
 
 	if (ms < 0 || ms >= (KL_R_NO_DEADLINE - now) / 1000000)
 		return KL_R_NO_DEADLINE;

@@ -70,7 +70,7 @@ attempt(struct kl__redis *r, struct kl__rconn *c, struct kl__rlease *l,
 	alens[6] = 1;
 	args[7] = refresh ? "1" : "0";
 	alens[7] = 1;
-	*sent_ns = kl__redis_now_ns();
+	*sent_ns = kl__now_ns();
 	rc = kl__rconn_script(c, deadline, KL_RS_ATTEMPT, 9, keys, klens, 8,
 			      args, alens, &rep, err);
 	if (rc != KL_OK)
@@ -140,11 +140,11 @@ void
 kl__redis_leave_anyway(struct kl__redis *r, struct kl__rconn *c,
 		       struct kl__rlease *l, int64_t end)
 {
-	int64_t d, least = kl__redis_now_ns() + LEAVE_MIN_MS * KL_R_MS;
+	int64_t d, least = kl__now_ns() + LEAVE_MIN_MS * KL_R_MS;
 
 	if (c == NULL || c->broken)
 		return;
-	d = kl__redis_cmd_deadline(r, kl__redis_now_ns(), 0);
+	d = kl__redis_cmd_deadline(r, kl__now_ns(), 0);
 	if (end < d && least < d)
 		d = end > least ? end : least;
 	kl__redis_leave(r, c, l, d, NULL);
@@ -226,7 +226,7 @@ static int
 reconnect_in_wait(struct kl__redis *r, struct kl__rconn **cp, uint64_t epoch,
 		  int64_t deadline, int *reconnects, kl_error *err)
 {
-	int64_t now = kl__redis_now_ns();
+	int64_t now = kl__now_ns();
 	int rc;
 
 	/* err already says why the last command failed.  Past the deadline
@@ -268,11 +268,11 @@ kl__redis_wait_queued(struct kl__redis *r, struct kl__rconn **cp,
 		recheck = RECHECK_MAX_MS;
 	if (recheck < RECHECK_MIN_MS)
 		recheck = RECHECK_MIN_MS;
-	next_check = kl__redis_now_ns() + recheck * KL_R_MS;
+	next_check = kl__now_ns() + recheck * KL_R_MS;
 	for (;;) {
 		if (kl_cancel_fired(cancel))
 			return KL_ECANCELED;
-		now = kl__redis_now_ns();
+		now = kl__now_ns();
 		if (now >= deadline)
 			return KL_ETIMEDOUT;
 		/* Rounded up: never a busy loop of zero-length BLPOPs. */
@@ -301,7 +301,7 @@ kl__redis_wait_queued(struct kl__redis *r, struct kl__rconn **cp,
 				continue;
 			}
 		}
-		now = kl__redis_now_ns();
+		now = kl__now_ns();
 		if (!woke && now < next_check)
 			continue;
 		rc = attempt(r, *cp, l, false, true,
@@ -321,7 +321,7 @@ kl__redis_wait_queued(struct kl__redis *r, struct kl__rconn **cp,
 		reconnects = 0;
 		if (granted)
 			return KL_OK;
-		next_check = kl__redis_now_ns() + recheck * KL_R_MS;
+		next_check = kl__now_ns() + recheck * KL_R_MS;
 	}
 }
 
@@ -346,7 +346,7 @@ kl__redis_first_attempt(struct kl__redis *r, struct kl__rconn **cp,
 		kl__redis_stash(l, cp);
 		/* Past its deadline the server did not answer in time: a new
 		 * connection would only take the wait further past it. */
-		if (!try_only && kl__redis_now_ns() >= deadline)
+		if (!try_only && kl__now_ns() >= deadline)
 			return rc;
 		rc = kl__redis_conn_replace(
 			r, cp,

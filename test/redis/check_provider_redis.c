@@ -827,13 +827,16 @@ struct shared {
 	int64_t readers, max_readers, reads; /* redis_helper rw */
 };
 
-START_TEST(test_mutual_exclusion_processes)
+/* Runs 4 redis_helper processes in mode with key, n iterations of 4
+ * threads each, over a struct shared in a file made from template (the
+ * caller unmaps and unlinks it); fails the test unless each exits 0. */
+static struct shared *
+helpers_run(char *file, const char *mode, const char *key, long n)
 {
-	char uri[1024], file[] = "/tmp/kl-redis-mutex.XXXXXX", iters[16];
+	char uri[1024], iters[16];
 	const char *args[7];
 	struct test_helper h[4];
 	struct shared *sh;
-	long n = kl_test_scaled(25, 5);
 	int fd;
 
 	uri_with(uri, sizeof uri, "restart_guard=0");
@@ -844,9 +847,9 @@ START_TEST(test_mutual_exclusion_processes)
 	ck_assert(sh != MAP_FAILED);
 	close(fd);
 	snprintf(iters, sizeof iters, "%ld", n);
-	args[0] = "mutex";
+	args[0] = mode;
 	args[1] = uri;
-	args[2] = "mx";
+	args[2] = key;
 	args[3] = file;
 	args[4] = "4";
 	args[5] = iters;
@@ -866,6 +869,16 @@ START_TEST(test_mutual_exclusion_processes)
 					     : "");
 		}
 	}
+	return sh;
+}
+
+START_TEST(test_mutual_exclusion_processes)
+{
+	char file[] = "/tmp/kl-redis-mutex.XXXXXX";
+	struct shared *sh;
+	long n = kl_test_scaled(25, 5);
+
+	sh = helpers_run(file, "mutex", "mx", n);
 	ck_assert_int_eq(sh->violations, 0);
 	ck_assert_int_eq(sh->count, 16 * n);
 	munmap(sh, sizeof *sh);
@@ -1462,44 +1475,12 @@ END_TEST
  * anybody, and every section ran. */
 START_TEST(test_shared_exclusion_processes)
 {
-	char uri[1024], file[] = "/tmp/kl-redis-rw.XXXXXX", iters[16];
-	const char *args[7];
-	struct test_helper h[4];
+	char file[] = "/tmp/kl-redis-rw.XXXXXX";
 	struct shared *sh;
 	long n = kl_test_scaled(24, 6);
 	kl_provider *p;
-	int fd;
 
-	uri_with(uri, sizeof uri, "restart_guard=0");
-	fd = mkstemp(file);
-	ck_assert_int_ge(fd, 0);
-	ck_assert_int_eq(ftruncate(fd, 4096), 0);
-	sh = mmap(NULL, sizeof *sh, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	ck_assert(sh != MAP_FAILED);
-	close(fd);
-	snprintf(iters, sizeof iters, "%ld", n);
-	args[0] = "rw";
-	args[1] = uri;
-	args[2] = "rw";
-	args[3] = file;
-	args[4] = "4";
-	args[5] = iters;
-	args[6] = NULL;
-	for (int i = 0; i < 4; i++)
-		helper_spawn(&h[i], args);
-	for (int i = 0; i < 4; i++) {
-		char line[300] = "";
-		int st = helper_reap(&h[i]);
-
-		if (!(WIFEXITED(st) && WEXITSTATUS(st) == 0)) {
-			ck_abort_msg("helper %d: status 0x%x: %s", i,
-				     (unsigned)st,
-				     read(h[i].from, line, sizeof line - 1) >
-						     0
-					     ? line
-					     : "");
-		}
-	}
+	sh = helpers_run(file, "rw", "rw", n);
 	ck_assert_int_eq(sh->violations, 0);
 	ck_assert_int_eq(sh->count + sh->reads, 16 * n);
 	ck_assert_int_gt(sh->count, 0);
