@@ -28,7 +28,8 @@
  * pinning, statistics, histograms, system call and memory readings, shared
  * by every workload), subjects.c (the locks under test and the keys),
  * uncontended.c, contended.c (throughput, fairness, hand-off), rwlock.c
- * (readers and writers on one key, against pthread_rwlock_t), memory.c
+ * (readers and writers on one key, against pthread_rwlock_t), deadlock.c
+ * (deadlock detection on against off), memory.c
  * (keys and memory), providers.c ("keylock-bench provider"), report.c
  * (targets, text report), output.c (JSON, SVG plot) and main.c (options,
  * the order of the run).  This header holds what they share.
@@ -322,7 +323,7 @@ struct target {
 	bool stretch_met;
 };
 
-#define MAXTARGETS 28
+#define MAXTARGETS 30
 
 /* The functions and variables the files share, by file. */
 
@@ -424,6 +425,21 @@ extern double rw_ratio; /* kl_lock / pthread_rwlock, median of runs */
 extern size_t rw_left;  /* keys left in its provider after the runs */
 extern const int rw_threads, rw_shared_percent, rw_work_ns;
 void run_rwlock(void);
+
+/* deadlock.c: detection on against off where waits are short.  The
+ * contended setting has threads queue behind one another and park, which
+ * is where a wait arms its check (a spinning wait is granted first). */
+#define DL_THREADS 4
+#define DL_SEC 1 /* the section with real work */
+struct dlres {
+	int64_t on_ms;   /* deadlock_ms while on */
+	double *unc[2];  /* ns per acquire+release, [0] on, [1] off */
+	double *tput[2]; /* contended ops/s */
+	double unc_ratio, tput_ratio; /* on / off, medians of runs */
+};
+extern struct dlres dlres;
+void run_deadlock_cost(void);
+void print_deadlock_cost(void);
 
 /* report.c */
 extern const char *const verdict_name[];

@@ -237,6 +237,7 @@ main(int argc, char **argv)
 	run_contended_all();
 	run_handoff_all();
 	run_rwlock();
+	run_deadlock_cost();
 	run_syscalls();
 	evaluate();
 	read_load(load_after, sizeof load_after);

@@ -186,7 +186,21 @@ print_json(void)
 		       (unsigned long long)r->ops, r->violations,
 		       k + 1 < RW_KINDS ? "," : "");
 	}
-	printf("  ]},\n  \"syscalls\": {\"method\": \"%s\", "
+	printf("  ]},\n  \"deadlock_detection\": {\"deadlock_ms\": %lld, "
+	       "\"threads\": %d, \"section\": \"%s\", ",
+	       (long long)dlres.on_ms, DL_THREADS, sec_name[DL_SEC]);
+	jsummary("uncontended_ns_on", dlres.unc[0], opt.runs);
+	fputs(", ", stdout);
+	jsummary("uncontended_ns_off", dlres.unc[1], opt.runs);
+	fputs(", \"uncontended_on_x_off\": ", stdout);
+	jnum(dlres.unc_ratio);
+	fputs(", ", stdout);
+	jsummary("ops_per_s_on", dlres.tput[0], opt.runs);
+	fputs(", ", stdout);
+	jsummary("ops_per_s_off", dlres.tput[1], opt.runs);
+	fputs(", \"contended_on_x_off\": ", stdout);
+	jnum(dlres.tput_ratio);
+	printf("},\n  \"syscalls\": {\"method\": \"%s\", "
 	       "\"uncontended\": [\n",
 	       sysm.method);
 	for (int i = 0; i < NSYSU; i++) {
