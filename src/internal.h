@@ -68,6 +68,28 @@ kl__deadline(int64_t timeout_ms)
 {
 	return timeout_ms < 0 ? KL_NO_DEADLINE : kl__deadline_of(timeout_ms);
 }
+/* The calls of keylock(3) are not cancellation points, yet a provider
+ * waits in poll(2), read(2) or a lock file's fcntl(2), which are: a cancel
+ * acted on there would unwind the thread with a key half taken or half
+ * released, a pool connection or a mutex left behind.  So cancellation is
+ * off around every call into a provider, and a request made meanwhile
+ * takes effect at the caller's next cancellation point.  Turning it back
+ * on is not itself one. */
+static inline int
+kl__cancel_off(void)
+{
+	int old;
+
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &old);
+	return old;
+}
+
+static inline void
+kl__cancel_restore(int old)
+{
+	pthread_setcancelstate(old, NULL);
+}
+
 /* KL_OK when timeout_ms is KL_FOREVER or >= 0, else KL_EINVAL.  Inline:
  * every enter checks it. */
 static inline int

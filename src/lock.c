@@ -295,7 +295,7 @@ acquire(kl_lock *l, kl_cancel *cancel, int64_t timeout_ms,
 	kl_provider *p = l->provider;
 	kl_error perr;
 	int64_t start;
-	int rc;
+	int rc, cs;
 
 	lease->lock = l;
 	/* Times are only reported through events: without a hook, spare the
@@ -303,9 +303,13 @@ acquire(kl_lock *l, kl_cancel *cancel, int64_t timeout_ms,
 	start = l->on_event != NULL ? kl__now_ns() : 0;
 	perr.status = KL_OK;
 	perr.message[0] = '\0';
+	/* Not a cancellation point (kl_lock(3)), whatever the provider
+	 * waits in: see kl__cancel_off. */
+	cs = kl__cancel_off();
 	rc = p->ops.acquire(p->impl, lease->key, lease->key_len, cancel,
 			    timeout_ms, l->ttl_ms, l->flags, &lease->handle,
 			    &lease->fence, &perr);
+	kl__cancel_restore(cs);
 	if (rc != KL_OK) {
 		rejected(l, lease->key, lease->key_len, rc, perr.message,
 			 err);
@@ -334,11 +338,13 @@ release(struct kl_lease *lease)
 	kl_provider *p = l->provider;
 	int64_t held = l->on_event != NULL ? ms_since(lease->granted_ns) : 0;
 	kl_error perr;
-	int rc;
+	int rc, cs;
 
 	perr.status = KL_OK;
 	perr.message[0] = '\0';
+	cs = kl__cancel_off();
 	rc = p->ops.release(p->impl, lease->handle, &perr);
+	kl__cancel_restore(cs);
 	if (rc == KL_OK)
 		emit(l, KL_EV_RELEASED, lease->key, KL_OK, 0, held);
 	else

@@ -39,6 +39,8 @@ int
 kl_provider_status(kl_provider *p, const char *key, size_t *holders,
 		   size_t *waiters, kl_error *err)
 {
+	int rc, cs;
+
 	if (holders != NULL)
 		*holders = 0;
 	if (waiters != NULL)
@@ -53,13 +55,18 @@ kl_provider_status(kl_provider *p, const char *key, size_t *holders,
 			      p->ops.name != NULL ? p->ops.name : "user");
 		return KL_EPROVIDER;
 	}
-	return p->ops.status(p->impl, key, strlen(key), holders, waiters, err);
+	cs = kl__cancel_off();
+	rc = p->ops.status(p->impl, key, strlen(key), holders, waiters, err);
+	kl__cancel_restore(cs);
+	return rc;
 }
 
 int
 kl_provider_snapshot(kl_provider *p, kl_snapshot_fn fn, void *arg,
 		     kl_error *err)
 {
+	int rc, cs;
+
 	if (p == NULL || fn == NULL) {
 		kl__error_set(err, KL_EINVAL, "no provider or callback");
 		return KL_EINVAL;
@@ -72,7 +79,10 @@ kl_provider_snapshot(kl_provider *p, kl_snapshot_fn fn, void *arg,
 	}
 	if (err != NULL)
 		err->status = KL_OK;
-	return p->ops.snapshot(p->impl, fn, arg, err);
+	cs = kl__cancel_off();
+	rc = p->ops.snapshot(p->impl, fn, arg, err);
+	kl__cancel_restore(cs);
+	return rc;
 }
 
 void

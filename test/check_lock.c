@@ -1098,6 +1098,195 @@ START_TEST(test_nested_errorcheck_deadlk)
 END_TEST
 
 /* ------------------------------------------------------------------ */
+/* pthread_cancel during a provider call                               */
+
+/*
+ * A user provider whose calls block in read(2), a cancellation point, until
+ * the test writes a byte: the calls of kl_lock(3) promise not to be
+ * cancellation points, so a cancel that comes while a provider works must
+ * wait until the call has returned.  Were it acted on inside read(), the
+ * thread would unwind from the provider with the key half taken.
+ */
+enum { BP_ACQUIRE, BP_RELEASE, BP_STATUS, BP_SNAPSHOT, BP_OPS };
+
+struct bp {
+	int fd[BP_OPS][2];      /* a pipe per call */
+	atomic_int entered[BP_OPS]; /* calls begun */
+	atomic_int done[BP_OPS];    /* calls that returned */
+	int token;
+};
+
+static void
+bp_block(struct bp *b, int op)
+{
+	char c;
+
+	atomic_fetch_add(&b->entered[op], 1);
+	while (read(b->fd[op][0], &c, 1) != 1)
+		;
+	atomic_fetch_add(&b->done[op], 1);
+}
+
+static int
+bp_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
+	   int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **lease,
+	   uint64_t *fence, kl_error *err)
+{
+	struct bp *b = impl;
+
+	(void)key, (void)key_len, (void)cancel, (void)timeout_ms;
+	(void)ttl_ms, (void)flags, (void)err;
+	bp_block(b, BP_ACQUIRE);
+	*lease = &b->token;
+	*fence = 1;
+	return KL_OK;
+}
+
+static int
+bp_release(void *impl, void *lease, kl_error *err)
+{
+	(void)lease, (void)err;
+	bp_block(impl, BP_RELEASE);
+	return KL_OK;
+}
+
+static int
+bp_status(void *impl, const char *key, size_t key_len, size_t *holders,
+	  size_t *waiters, kl_error *err)
+{
+	(void)key, (void)key_len, (void)err;
+	bp_block(impl, BP_STATUS);
+	*holders = 1;
+	*waiters = 0;
+	return KL_OK;
+}
+
+static int
+bp_snapshot(void *impl, kl_snapshot_fn fn, void *arg, kl_error *err)
+{
+	(void)fn, (void)arg, (void)err;
+	bp_block(impl, BP_SNAPSHOT);
+	return KL_OK;
+}
+
+static const kl_provider_ops bp_ops = {
+	.struct_size = sizeof(kl_provider_ops),
+	.name = "blocking",
+	.acquire = bp_acquire,
+	.release = bp_release,
+	.status = bp_status,
+	.snapshot = bp_snapshot,
+};
+
+struct bp_thread {
+	kl_provider *p;
+	kl_lock *l;
+	int rc[BP_OPS];   /* -100: not returned */
+	atomic_bool exited; /* set by its cancellation cleanup */
+};
+
+static void
+bp_exited(void *arg)
+{
+	struct bp_thread *t = arg;
+
+	atomic_store(&t->exited, true);
+}
+
+static int
+bp_entry(const kl_lock_info *info, void *arg)
+{
+	(void)info, (void)arg;
+	return 0;
+}
+
+/* Calls each op in turn; after the last it reaches a cancellation point,
+ * where the cancel sent while it was in the provider takes effect. */
+static void *
+bp_thread_main(void *arg)
+{
+	struct bp_thread *t = arg;
+	kl_call call = { .key = "k", .cancel = NULL };
+	kl_lease *lease = NULL;
+	size_t h, w;
+
+	pthread_cleanup_push(bp_exited, t);
+	t->rc[BP_ACQUIRE] = kl_lock_acquire(t->l, &call, &lease, NULL);
+	kl_lease_release(lease);
+	t->rc[BP_RELEASE] = KL_OK;
+	t->rc[BP_STATUS] = kl_provider_status(t->p, "k", &h, &w, NULL);
+	t->rc[BP_SNAPSHOT] = kl_provider_snapshot(t->p, bp_entry, NULL, NULL);
+	for (;;)
+		pthread_testcancel();
+	pthread_cleanup_pop(0);
+	return NULL;
+}
+
+/* Waits until the thread has entered call op of the provider, or exited. */
+static bool
+bp_wait_entered(struct bp *b, struct bp_thread *t, int op)
+{
+	while (atomic_load(&b->entered[op]) == 0) {
+		if (atomic_load(&t->exited))
+			return false;
+		test_sleep_ms(1);
+	}
+	return true;
+}
+
+/* For each call in turn: wait until the thread is inside the provider,
+ * cancel it, let the provider return.  The thread must come out of every
+ * call with its result and be cancelled only at its own testcancel. */
+START_TEST(test_cancel_waits_for_provider_call)
+{
+	static const char *const name[BP_OPS] = { "acquire", "release",
+						  "status", "snapshot" };
+	struct bp b;
+	struct bp_thread t;
+	pthread_t th;
+	void *ret = NULL;
+
+	memset(&b, 0, sizeof b);
+	for (int op = 0; op < BP_OPS; op++) {
+		ck_assert_int_eq(pipe(b.fd[op]), 0);
+		atomic_init(&b.entered[op], 0);
+		atomic_init(&b.done[op], 0);
+	}
+	memset(&t, 0, sizeof t);
+	ck_assert_int_eq(kl_provider_new(&t.p, &bp_ops, &b), KL_OK);
+	t.l = lock_make(t.p, NULL, KL_FOREVER, 0, NULL, NULL);
+	for (int op = 0; op < BP_OPS; op++)
+		t.rc[op] = -100;
+	atomic_init(&t.exited, false);
+	ck_assert_int_eq(pthread_create(&th, NULL, bp_thread_main, &t), 0);
+	for (int op = 0; op < BP_OPS; op++) {
+		/* Inside the provider, about to block in read(); a thread
+		 * cancelled inside the call before never gets here. */
+		ck_assert_msg(bp_wait_entered(&b, &t, op),
+			      "cancelled inside the provider's %s, before "
+			      "the %s",
+			      op > 0 ? name[op - 1] : "(none)", name[op]);
+		ck_assert_int_eq(pthread_cancel(th), 0);
+		ck_assert_int_eq(write(b.fd[op][1], "x", 1), 1);
+	}
+	ck_assert_int_eq(pthread_join(th, &ret), 0);
+	ck_assert_ptr_eq(ret, PTHREAD_CANCELED);
+	for (int op = 0; op < BP_OPS; op++) {
+		ck_assert_int_eq(atomic_load(&b.done[op]), 1);
+		ck_assert_msg(t.rc[op] == KL_OK,
+			      "%s: cancelled inside the provider (rc %d)",
+			      name[op], t.rc[op]);
+	}
+	kl_lock_free(t.l);
+	kl_provider_free(t.p);
+	for (int op = 0; op < BP_OPS; op++) {
+		close(b.fd[op][0]);
+		close(b.fd[op][1]);
+	}
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 /* User providers that fail                                            */
 
 /* The user provider of util.h, fences from 1. */
@@ -2490,6 +2679,7 @@ lock_suite(void)
 
 	tc = tcase_create("provider_failures");
 	tcase_set_timeout(tc, 60);
+	tcase_add_test(tc, test_cancel_waits_for_provider_call);
 	tcase_add_test(tc, test_release_failure_event);
 	tcase_add_test(tc, test_acquire_failure_provider);
 	suite_add_tcase(s, tc);
