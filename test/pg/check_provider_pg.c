@@ -2725,6 +2725,102 @@ START_TEST(test_set_second_fails_releases_first)
 }
 END_TEST
 
+/* kl_lock_acquire_many in a thread of its own (test_bg). */
+struct set_call {
+	kl_lock *l;
+	const char *const *keys;
+	size_t n;
+	int rc;
+	kl_lease *lease;
+	kl_error err;
+};
+
+static void
+set_call_main(void *arg)
+{
+	struct set_call *c = arg;
+
+	c->rc = kl_lock_acquire_many(c->l, c->keys, c->n, NULL, &c->lease,
+				     &c->err);
+}
+
+/* The server's deadlock_detected (40P01) on a set's second key is the
+ * set's KL_EDEADLK, naming that key, and the set keeps nothing: the
+ * cycle is built as in test_server_deadlock_is_edeadlk (a test session
+ * holding the fence sequence's floor lock waits for the key right behind
+ * the provider's session), while the set already holds its first key;
+ * afterwards pg_locks shows nothing on the first key. */
+START_TEST(test_set_deadlock_releases_first)
+{
+	kl_provider *p = open_pg(NULL);
+	char k1[96], k2[96], sql[128];
+	const char *keys[2];
+	struct set_call *c = calloc(1, sizeof *c);
+	struct test_events ev;
+	kl_lock *l = set_lock(p, WAIT_BOUND_MS, &ev);
+	struct test_bg bg;
+	PGconn *holder, *t;
+	PGresult *r;
+	int64_t id;
+	bool ok = false;
+
+	ck_assert_ptr_nonnull(c);
+	snprintf(k1, sizeof k1, "%s/1", new_key("setdl"));
+	snprintf(k2, sizeof k2, "%.*s/2", (int)strlen(k1) - 2, k1);
+	keys[0] = k2;
+	keys[1] = k1;
+	id = kl_pg_key_id(k2, strlen(k2));
+	holder = PQconnectdb(g_uri);
+	t = PQconnectdb(g_uri);
+	ck_assert(PQstatus(holder) == CONNECTION_OK &&
+		  PQstatus(t) == CONNECTION_OK);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_lock(%" PRId64 ")", id);
+	exec_ok(holder, sql);
+	c->l = l;
+	c->keys = keys;
+	c->n = 2;
+	c->rc = 1;
+	test_bg_start(&bg, set_call_main, c);
+	wait_server_locks(k1, 1, 0);
+	wait_server_locks(k2, 1, 1);
+	exec_ok(t, "SET deadlock_timeout = '1h'");
+	exec_ok(t, "BEGIN");
+	exec_ok(t, "SELECT pg_advisory_xact_lock(1802266213, 1851999521)");
+	ck_assert(PQsendQuery(t, sql) == 1);
+	wait_server_locks(k2, 1, 2);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_unlock(%" PRId64 ")",
+		 id);
+	exec_ok(holder, sql);
+	test_bg_join(&bg, "the set to end in the server's deadlock");
+	ck_assert_msg(c->rc == KL_EDEADLK, "%s: %s", kl_strerror(c->rc),
+		      c->err.message);
+	ck_assert_msg(strstr(c->err.message, k2) != NULL &&
+			      strstr(c->err.message, "deadlock") != NULL,
+		      "%s", c->err.message);
+	ck_assert_ptr_null(c->lease);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 1);
+	wait_server_locks(k1, 0, 0);
+	while ((r = PQgetResult(t)) != NULL) {
+		ok = ok || PQresultStatus(r) == PGRES_TUPLES_OK;
+		PQclear(r);
+	}
+	ck_assert(ok);
+	exec_ok(t, "COMMIT");
+	wait_server_locks(k2, 1, 0);
+	ck_assert_int_eq(holder_pid(k2), PQbackendPID(t));
+	exec_ok(t, sql);
+	wait_server_locks(k2, 0, 0);
+	wait_server_locks(k1, 0, 0);
+	PQfinish(t);
+	PQfinish(holder);
+	kl_lock_free(l);
+	free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 static Suite *
 provider_pg_suite(void)
 {
@@ -2781,6 +2877,7 @@ provider_pg_suite(void)
 	tcase_set_timeout(tc, 300);
 	tcase_add_test(tc, test_set_orders_clients);
 	tcase_add_test(tc, test_set_second_fails_releases_first);
+	tcase_add_test(tc, test_set_deadlock_releases_first);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("processes");
