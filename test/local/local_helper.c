@@ -152,6 +152,7 @@ main_many(int argc, char **argv)
 	kl_error err;
 	char uri[4096], buf[64];
 	const char *file = NULL;
+	const char *const *keys;
 	long rounds = 0;
 	int rc, first, r = 0;
 
@@ -182,12 +183,12 @@ main_many(int argc, char **argv)
 		kl_provider_free(p);
 		return 3;
 	}
+	keys = (const char *const *)&argv[first];
 	if (file != NULL) {
 		for (long i = 0; i < rounds; i++) {
-			rc = kl_lock_run_many(l, (const char *const *)&argv[first],
-					      (size_t)(argc - first), NULL,
-					      count_round, (void *)file, &r,
-					      &err);
+			rc = kl_lock_run_many(l, keys, (size_t)(argc - first),
+					      NULL, count_round, (void *)file,
+					      &r, &err);
 			if (rc != KL_OK) {
 				printf("E %d round %ld: %s\n", rc, i,
 				       err.message);
@@ -200,8 +201,8 @@ main_many(int argc, char **argv)
 		kl_provider_free(p);
 		return r;
 	}
-	rc = kl_lock_acquire_many(l, (const char *const *)&argv[first],
-				  (size_t)(argc - first), NULL, &lease, &err);
+	rc = kl_lock_acquire_many(l, keys, (size_t)(argc - first), NULL,
+				  &lease, &err);
 	if (rc != KL_OK) {
 		printf("E %d %s\n", rc, err.message);
 		kl_lock_free(l);
