@@ -380,7 +380,13 @@ redis_release(void *impl, void *lease, kl_error *err)
 	}
 
 	rc = kl__redis_release_key(r, l, &released, err);
-	if (rc == KL_OK && !released) {
+	if (rc != KL_OK) {
+		/* Not answered: released by the renewal thread once the
+		 * server answers (the release still reports the failure). */
+		kl__redis_release_later(r, l);
+		return rc;
+	}
+	if (!released) {
 		kl__error_set(err, KL_EPROVIDER,
 				"redis provider: the lease was already lost "
 				"(expired, deleted or taken over)");

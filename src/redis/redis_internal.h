@@ -383,6 +383,10 @@ KL_RHIDDEN int kl__redis_wait_queued(struct kl__redis *r, struct kl__rconn **cp,
 KL_RHIDDEN void kl__redis_stash(struct kl__rlease *l, struct kl__rconn **cp);
 /* Hands l, an acquire that gave up, to the renewal thread to undo. */
 KL_RHIDDEN void kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l);
+/* Hands l, a lease whose release the server did not answer, to the
+ * renewal thread to release once the server answers again. */
+KL_RHIDDEN void kl__redis_release_later(struct kl__redis *r,
+					struct kl__rlease *l);
 /* Starts the renewal thread; KL_OK or KL_ENOMEM. */
 KL_RHIDDEN int kl__redis_start_thread(struct kl__redis *r);
 

@@ -48,13 +48,9 @@ kl__redis_stash(struct kl__rlease *l, struct kl__rconn **cp)
  * as soon as the server answers again (undo_try).  Past UNDO_MAX waiting,
  * l is dropped: such a grant expires with its ttl, such a waiter with its
  * heartbeat. */
-void
-kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l)
+static void
+undo_queue(struct kl__redis *r, struct kl__rlease *l)
 {
-	if (l->nstale == 0) {
-		kl__redis_lease_unref(l);
-		return;
-	}
 	pthread_mutex_lock(&r->mu);
 	if (r->nundos < UNDO_MAX && r->thread_started &&
 	    r->pid == kl__redis_getpid()) {
@@ -62,12 +58,35 @@ kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l)
 		*r->undo_tail = l;
 		r->undo_tail = &l->undo_next;
 		r->nundos++;
-		l = NULL;
 		pthread_cond_broadcast(&r->cv);
+	} else {
+		/* Under mu: a released lease may still be the renewal
+		 * thread's. */
+		kl__redis_lease_unref(l);
 	}
 	pthread_mutex_unlock(&r->mu);
-	if (l != NULL)
+}
+
+void
+kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l)
+{
+	if (l->nstale == 0) {
 		kl__redis_lease_unref(l);
+		return;
+	}
+	undo_queue(r, l);
+}
+
+/* A release that failed because the server did not answer (stopped,
+ * unreachable) leaves the key held for up to its ttl, which may be long,
+ * after the server is back; a key set that failed would then keep the
+ * keys it had taken.  The leave script of undo_try also frees a key that
+ * l's token holds, so the renewal thread releases l as soon as the server
+ * answers, until its ttl has passed (then the key expired anyway). */
+void
+kl__redis_release_later(struct kl__redis *r, struct kl__rlease *l)
+{
+	undo_queue(r, l);
 }
 
 /* ------------------------------------------------------------------ */

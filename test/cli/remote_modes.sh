@@ -14,6 +14,13 @@
 # PostgreSQL's server process): the one name that was not listed before.
 # Keys (and, for Redis, the prefix) are unique per run.  Orders are forced
 # with files and keylock status, never slept into.
+#
+# Key sets on the server (-k KEY, repeated): a set holds every key while
+# its command runs and none after it; a set that cannot have its second
+# key holds nothing when it gives up; loops of two sets with the same keys
+# in opposite orders, in parallel, all finish (each set call bounded by
+# -w 30s, so a deadlock fails the test instead of hanging it) and run
+# their commands one at a time.
 . "$(dirname "$0")/lib.sh"
 [ -n "${KEYLOCK_CLI_PROVIDER:-}" ] ||
 	skip "no server: the redis and pg stages of tools/test set KEYLOCK_CLI_PROVIDER"
@@ -160,4 +167,70 @@ expect_rc 0 "the -x waiter"
 	fail "the -x command ran before both holders were let go"
 wait_until 20 "K to be free" holders_is "$K" 0
 queue_is "$K" 0 || fail "K still has waiters"
+
+# Key sets.  SA < SB in the canonical (bytewise) order.
+SA=$K-setA
+SB=$K-setB
+bg "$KEYLOCK" "${P[@]}" -k "$SB" -k "$SA" -- sh -c '
+	touch "$1.held"
+	i=0
+	while [ ! -e "$1.release" ] && [ $i -lt 500 ]; do
+		sleep 0.05
+		i=$((i + 1))
+	done' sh "$TMP/set"
+set_holder=$!
+wait_file "$TMP/set.held"
+holders_is "$SA" 1 || fail "the set does not hold $SA"
+holders_is "$SB" 1 || fail "the set does not hold $SB"
+kl "${P[@]}" -n "$SA" -- true
+expect_rc 75 "$SA while the set holds it"
+kl "${P[@]}" -n "$SB" -- true
+expect_rc 75 "$SB while the set holds it"
+release set
+wait_exit "$set_holder"
+expect_rc 0 "the set holder"
+wait_until 20 "the set's keys to be free" holders_is "$SA" 0
+holders_is "$SB" 0 || fail "$SB still held after the set"
+kl "${P[@]}" -n -k "$SA" -k "$SB" -- true
+expect_rc 0 "a set try-once on free keys"
+
+# The second key held: the set gives up (1 s) holding nothing.
+hold "$SB" h
+kl "${P[@]}" -w 1s -k "$SB" -k "$SA" -- touch "$TMP/setran"
+expect_rc 75 "a set with its second key held"
+[ ! -e "$TMP/setran" ] || fail "the set's command ran without $SB"
+grep -q "$SB" "$ERR" || fail "the report does not name $SB: $(cat "$ERR")"
+holders_is "$SA" 0 || fail "$SA stayed held after the set gave up"
+queue_is "$SA" 0 || fail "$SA has a waiter after the set gave up"
+release h
+wait_exit "$holder"
+expect_rc 0 "the holder of $SB"
+
+# Opposite orders in parallel loops: all finish, one command at a time.
+echo 0 >"$TMP/count"
+loops=4
+rounds=5
+pids=()
+for i in $(seq $loops); do
+	if [ $((i % 2)) -eq 0 ]; then
+		order=(-k "$SA" -k "$SB")
+	else
+		order=(-k "$SB" -k "$SA")
+	fi
+	(
+		for r in $(seq $rounds); do
+			"$KEYLOCK" "${P[@]}" -w 30s "${order[@]}" -- sh -c '
+				n=$(cat "$1"); sleep 0.02; echo $((n + 1)) >"$1"' \
+				sh "$TMP/count" || exit 1
+		done
+	) &
+	pids+=($!)
+	BG+=($!)
+done
+for pid in "${pids[@]}"; do
+	wait "$pid" || fail "a set call failed (a deadlock times out after 30 s)"
+done
+[ "$(cat "$TMP/count")" -eq $((loops * rounds)) ] ||
+	fail "the counter is $(cat "$TMP/count"), expected $((loops * rounds))"
+holders_is "$SA" 0 && holders_is "$SB" 0 || fail "a set key still held"
 exit 0

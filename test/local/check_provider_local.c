@@ -4200,6 +4200,277 @@ END_TEST
 #undef S
 
 /* ------------------------------------------------------------------ */
+/* Key sets (issue 18): a property of the Lock strategy over local:     */
+
+/* Starts local_helper with args (NULL-terminated, after the name). */
+static void
+helper_spawn_args(struct test_helper *h, const char *const *args)
+{
+	test_helper_spawn(h, test_helper_path("test/local", "local_helper",
+					      true),
+			  args, NULL);
+}
+
+/* Tells a holding helper to release, and waits for its "R" and exit 0. */
+static void
+helper_release(struct test_helper *h)
+{
+	char line[64];
+
+	ck_assert_int_eq(write(h->to, "x\n", 2), 2);
+	ck_assert(test_helper_line(h, line, sizeof line, HANG_GUARD_MS));
+	ck_assert_str_eq(line, "R");
+	helper_exit_ok(h);
+	test_helper_close(h);
+}
+
+/* A lock without a key on p, with events recorded into ev. */
+static kl_lock *
+set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
+	 struct test_events *ev)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	tev_init(ev);
+	o.provider = p;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	o.on_event = tev_record;
+	o.event_arg = ev;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	return l;
+}
+
+/* Processes taking the same three keys as sets, each given them in
+ * another order (two of them exactly opposite), all finish: no two set
+ * calls wait for each other in a cycle, because each takes the keys in
+ * the canonical order whatever order it was given.  Each round adds one
+ * to a counter file under the set, so the total also shows that the
+ * rounds excluded each other.  Taken in the given order instead, the
+ * first two helpers soon hold one end each and wait for the other's
+ * (local: detects no cycle across processes): a round ends in
+ * KL_ETIMEDOUT after local_helper's 20 s and the helper fails. */
+START_TEST(test_set_orders_processes)
+{
+	enum { N = 4 };
+	static const char *const orders[N][3] = {
+		{ "lo:set:a", "lo:set:b", "lo:set:c" },
+		{ "lo:set:c", "lo:set:b", "lo:set:a" },
+		{ "lo:set:b", "lo:set:c", "lo:set:a" },
+		{ "lo:set:a", "lo:set:c", "lo:set:b" },
+	};
+	long rounds = kl_test_scaled(40, 10);
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper h[N];
+	char file[PATH_MAX], rs[24], num[32] = "";
+	ssize_t n;
+	int fd;
+
+	in_parent(file, sizeof file, "count");
+	fd = open(file, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+	ck_assert_int_ge(fd, 0);
+	close(fd);
+	snprintf(rs, sizeof rs, "%ld", rounds);
+	for (int i = 0; i < N; i++) {
+		const char *args[] = { "mcount", g_dir, file, rs,
+				       orders[i][0], orders[i][1],
+				       orders[i][2], NULL };
+
+		helper_spawn_args(&h[i], args);
+	}
+	for (int i = 0; i < N; i++) {
+		helper_exit_ok(&h[i]);
+		test_helper_close(&h[i]);
+	}
+	fd = open(file, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(fd, 0);
+	n = read(fd, num, sizeof num - 1);
+	close(fd);
+	ck_assert_int_gt(n, 0);
+	num[n] = '\0';
+	ck_assert_int_eq(strtol(num, NULL, 10), N * rounds);
+	for (int k = 0; k < 3; k++)
+		test_assert_status(p, orders[0][k], 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* All or nothing on timeout: a set whose second key (in canonical order)
+ * another process holds takes the first, waits out the set's deadline on
+ * the second, and gives the first back: afterwards the first key has no
+ * holder (kl_provider_status here, and another process takes it at once
+ * with a try-once), no lease exists, the error names the second key, and
+ * the events are one ACQUIRED and one RELEASED for the first key and one
+ * REJECTED for the second.  kl_lock_run_many fails the same way without
+ * calling its function. */
+static int
+set_fn_never(kl_lease *lease, void *arg)
+{
+	(void)lease;
+	(void)arg;
+	ck_abort_msg("the function of a failed set ran");
+	return 0;
+}
+
+START_TEST(test_set_timeout_holds_nothing)
+{
+	const char *first = "lo:set:first", *second = "lo:set:second";
+	const char *keys[] = { second, first };
+	kl_provider *p = open_dir(g_dir);
+	struct test_helper hs, hf;
+	struct test_events ev;
+	kl_lock *l = set_lock(p, 300, 0, &ev);
+	kl_lease *lease = (kl_lease *)&lease;
+	kl_error err;
+	int rc, r = -1;
+
+	helper_spawn(&hs, "hold", second, NULL, 0);
+	test_helper_granted(&hs, HANG_GUARD_MS);
+
+	memset(&err, 0, sizeof err);
+	rc = kl_lock_acquire_many(l, keys, 2, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_null(lease);
+	ck_assert_msg(strstr(err.message, second) != NULL, "message: %s",
+		      err.message);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 1);
+	test_assert_status(p, first, 0, 0);
+	test_assert_status(p, second, 1, 0);
+
+	rc = kl_lock_run_many(l, keys, 2, NULL, set_fn_never, NULL, &r, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "run_many: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_int_eq(r, -1);
+	test_assert_status(p, first, 0, 0);
+
+	/* A third party: another process, not only this one's view. */
+	{
+		const char *args[] = { "mhold", g_dir, first, NULL };
+
+		helper_spawn_args(&hf, args);
+		test_helper_granted(&hf, HANG_GUARD_MS);
+		test_assert_status(p, first, 1, 0);
+		helper_release(&hf);
+	}
+	helper_release(&hs);
+	test_assert_status(p, first, 0, 0);
+	test_assert_status(p, second, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A set lease over local: merges duplicates, keeps the keys in the
+ * canonical order, has one fence per key, each above every earlier grant
+ * of that key (also one made by another process in between), raises one
+ * ACQUIRED and one RELEASED per key, and holds each key while it lives. */
+START_TEST(test_set_fences_grow)
+{
+	const char *k1 = "lo:set:f1", *k2 = "lo:set:f2";
+	const char *keys[] = { k2, k1, k2 };
+	kl_provider *p = open_dir(g_dir);
+	struct test_events ev;
+	kl_lock *l = set_lock(p, WAIT_BOUND_MS, 0, &ev);
+	struct test_helper h;
+	kl_lease *lease = NULL;
+	uint64_t f1, f2, g2;
+	kl_error err;
+	int rc;
+
+	rc = kl_lock_acquire_many(l, keys, 3, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_OK, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_uint_eq(kl_lease_count(lease), 2);
+	ck_assert_str_eq(kl_lease_key_at(lease, 0), k1);
+	ck_assert_str_eq(kl_lease_key_at(lease, 1), k2);
+	ck_assert_ptr_null(kl_lease_key_at(lease, 2));
+	ck_assert_str_eq(kl_lease_key(lease), k1);
+	f1 = kl_lease_fence_at(lease, 0);
+	f2 = kl_lease_fence_at(lease, 1);
+	ck_assert_uint_eq(kl_lease_fence(lease), f1);
+	ck_assert_uint_gt(f1, 0);
+	ck_assert_uint_gt(f2, 0);
+	ck_assert(kl_lease_valid(lease));
+	test_assert_status(p, k1, 1, 0);
+	test_assert_status(p, k2, 1, 0);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 2);
+	kl_lease_release(lease);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 2);
+	test_assert_status(p, k1, 0, 0);
+	test_assert_status(p, k2, 0, 0);
+
+	helper_spawn(&h, "hold", k2, NULL, 0);
+	g2 = test_helper_granted(&h, HANG_GUARD_MS);
+	ck_assert_uint_gt(g2, f2);
+	helper_release(&h);
+
+	rc = kl_lock_acquire_many(l, keys, 3, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_OK, "set again: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_uint_gt(kl_lease_fence_at(lease, 0), f1);
+	ck_assert_uint_gt(kl_lease_fence_at(lease, 1), g2);
+	kl_lease_release(lease);
+	test_assert_status(p, k1, 0, 0);
+	test_assert_status(p, k2, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Shared sets: a shared set here and one in another process hold the
+ * same keys together; an exclusive try-once on one of them and an
+ * exclusive set try-once are refused meanwhile, the latter leaving
+ * nothing held; once both shared sets are released an exclusive set is
+ * granted. */
+START_TEST(test_set_shared)
+{
+	const char *k1 = "lo:set:s1", *k2 = "lo:set:s2";
+	const char *keys[] = { k1, k2 };
+	const char *args[] = { "smhold", g_dir, k2, k1, NULL };
+	kl_provider *p = open_dir(g_dir);
+	struct test_events ev, evx;
+	kl_lock *ls = set_lock(p, 0, KL_SHARED, &ev);
+	kl_lock *lx = set_lock(p, 0, 0, &evx);
+	struct test_helper h;
+	kl_lease *lease = NULL, *x = NULL;
+	kl_error err;
+	int rc;
+
+	rc = kl_lock_acquire_many(ls, keys, 2, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_OK, "shared set: %s: %s", kl_strerror(rc),
+		      err.message);
+	helper_spawn_args(&h, args);
+	test_helper_granted(&h, HANG_GUARD_MS);
+	test_assert_status(p, k1, 2, 0);
+	test_assert_status(p, k2, 2, 0);
+	try_refused(p, k2, 0);
+	rc = kl_lock_acquire_many(lx, keys, 2, NULL, &x, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "exclusive set: %s",
+		      kl_strerror(rc));
+	ck_assert_ptr_null(x);
+	ck_assert_int_eq(tev_count(&evx, KL_EV_ACQUIRED), 0);
+	test_assert_status(p, k1, 2, 0);
+	test_assert_status(p, k2, 2, 0);
+	kl_lease_release(lease);
+	helper_release(&h);
+	test_assert_status(p, k1, 0, 0);
+	test_assert_status(p, k2, 0, 0);
+	rc = kl_lock_acquire_many(lx, keys, 2, NULL, &x, &err);
+	ck_assert_msg(rc == KL_OK, "exclusive set after: %s: %s",
+		      kl_strerror(rc), err.message);
+	test_assert_status(p, k1, 1, 0);
+	kl_lease_release(x);
+	kl_lock_free(ls);
+	kl_lock_free(lx);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* ------------------------------------------------------------------ */
 
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
@@ -4304,6 +4575,12 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_shared_try_once);
 	tcase_add_test(tc, test_shared_fences_mixed);
 	tcase_add_test(tc, test_shared_process_order);
+
+	tc = tcase_new(s, "sets", 300);
+	tcase_add_test(tc, test_set_orders_processes);
+	tcase_add_test(tc, test_set_timeout_holds_nothing);
+	tcase_add_test(tc, test_set_fences_grow);
+	tcase_add_test(tc, test_set_shared);
 
 	tc = tcase_new(s, "snapshot", 60);
 	tcase_add_test(tc, test_snapshot_states);

@@ -15,6 +15,16 @@
  *   local_helper sappend DIR KEY FILE INDEX
  *	the same with KL_SHARED (sappend keeps no marker: shared holders
  *	are together by design).
+ *   local_helper mhold DIR KEY...
+ *   local_helper smhold DIR KEY...
+ *	hold for a key set (kl_lock_acquire_many), exclusive or shared;
+ *	"G <fence>" gives the fence of the set's first key.
+ *   local_helper mcount DIR FILE ROUNDS KEY...
+ *	ROUNDS times kl_lock_run_many over the keys, in the order given:
+ *	inside, keeps the marker FILE.in (exit 5 when another holder has
+ *	it) and adds one to the decimal counter in FILE.  A set that fails
+ *	(a deadlock among set calls ends in KL_ETIMEDOUT after
+ *	SET_TIMEOUT_MS, or in KL_EDEADLK) writes "E ..." and exits 3.
  *
  * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
  * that crash point of the local provider (src/local/provider_local.c), and
@@ -45,13 +55,18 @@
 #include "keylock.h"
 
 #define HELPER_TIMEOUT_MS 60000
+/* mcount's bound on one set: far beyond the few milliseconds a round
+ * holds, so that only a deadlock reaches it. */
+#define SET_TIMEOUT_MS 20000
 
 static int
 usage(void)
 {
 	fprintf(stderr, "usage: local_helper hold|shold DIR KEY\n"
 			"       local_helper append|sappend DIR KEY FILE "
-			"INDEX\n");
+			"INDEX\n"
+			"       local_helper mhold|smhold DIR KEY...\n"
+			"       local_helper mcount DIR FILE ROUNDS KEY...\n");
 	return 2;
 }
 
@@ -92,6 +107,118 @@ append_line(const char *file, const char *text)
 	return rc;
 }
 
+/* One round of mcount: FILE's counter plus one, under the marker. */
+static int
+count_round(kl_lease *lease, void *arg)
+{
+	const char *file = arg;
+	char marker[4096], num[32];
+	long v = 0;
+	ssize_t n;
+	int fd, rc = 0;
+
+	(void)lease;
+	if (marker_make(file, marker, sizeof marker) != 0)
+		return 5;
+	fd = open(file, O_RDWR | O_CLOEXEC);
+	if (fd < 0) {
+		rc = 4;
+		goto out;
+	}
+	n = pread(fd, num, sizeof num - 1, 0);
+	if (n < 0) {
+		rc = 4;
+	} else {
+		num[n] = '\0';
+		v = strtol(num, NULL, 10);
+		n = snprintf(num, sizeof num, "%ld\n", v + 1);
+		if (pwrite(fd, num, (size_t)n, 0) != n)
+			rc = 4;
+	}
+	close(fd);
+out:
+	unlink(marker);
+	return rc;
+}
+
+/* mhold, smhold and mcount: argv[2] is DIR, the keys follow. */
+static int
+main_many(int argc, char **argv)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_provider *p = NULL;
+	kl_lock *l = NULL;
+	kl_lease *lease = NULL;
+	kl_error err;
+	char uri[4096], buf[64];
+	const char *file = NULL;
+	const char *const *keys;
+	long rounds = 0;
+	int rc, first, r = 0;
+
+	if (strcmp(argv[1], "mcount") == 0) {
+		if (argc < 6)
+			return usage();
+		file = argv[3];
+		rounds = strtol(argv[4], NULL, 10);
+		first = 5;
+	} else {
+		if (argc < 4)
+			return usage();
+		first = 3;
+		if (argv[1][0] == 's')
+			o.flags = KL_SHARED;
+	}
+	setvbuf(stdout, NULL, _IONBF, 0);
+	snprintf(uri, sizeof uri, "local:%s", argv[2]);
+	memset(&err, 0, sizeof err);
+	if ((rc = kl_provider_open(&p, uri, &err)) != KL_OK) {
+		printf("E %d %s\n", rc, err.message);
+		return 3;
+	}
+	o.provider = p;
+	o.timeout_ms = file != NULL ? SET_TIMEOUT_MS : HELPER_TIMEOUT_MS;
+	if ((rc = kl_lock_new(&l, &o)) != KL_OK) {
+		printf("E %d kl_lock_new\n", rc);
+		kl_provider_free(p);
+		return 3;
+	}
+	keys = (const char *const *)&argv[first];
+	if (file != NULL) {
+		for (long i = 0; i < rounds; i++) {
+			rc = kl_lock_run_many(l, keys, (size_t)(argc - first),
+					      NULL, count_round, (void *)file,
+					      &r, &err);
+			if (rc != KL_OK) {
+				printf("E %d round %ld: %s\n", rc, i,
+				       err.message);
+				r = 3;
+			}
+			if (r != 0)
+				break;
+		}
+		kl_lock_free(l);
+		kl_provider_free(p);
+		return r;
+	}
+	rc = kl_lock_acquire_many(l, keys, (size_t)(argc - first), NULL,
+				  &lease, &err);
+	if (rc != KL_OK) {
+		printf("E %d %s\n", rc, err.message);
+		kl_lock_free(l);
+		kl_provider_free(p);
+		return 3;
+	}
+	printf("G %" PRIu64 "\n", kl_lease_fence(lease));
+	while (read(STDIN_FILENO, buf, sizeof buf) < 0 && errno == EINTR)
+		;
+	kl_lease_release(lease);
+	printf("R\n");
+	kl_lock_free(l);
+	kl_provider_free(p);
+	return 0;
+}
+
 int
 main(int argc, char **argv)
 {
@@ -109,6 +236,9 @@ main(int argc, char **argv)
 #endif
 	if (argc < 4)
 		return usage();
+	if (strcmp(argv[1], "mhold") == 0 || strcmp(argv[1], "smhold") == 0 ||
+	    strcmp(argv[1], "mcount") == 0)
+		return main_many(argc, argv);
 	if (argv[1][0] == 's') {
 		shared = true;
 		argv[1]++;

@@ -50,6 +50,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <spawn.h>
 #include <stdatomic.h>
@@ -2553,6 +2554,273 @@ END_TEST
 
 /* ------------------------------------------------------------------ */
 
+/* ------------------------------------------------------------------ */
+/* Key sets (issue 18): a property of the Lock strategy over PostgreSQL */
+
+static kl_lock *
+set_lock(kl_provider *p, int64_t timeout_ms, struct test_events *ev)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	tev_init(ev);
+	o.provider = p;
+	o.timeout_ms = timeout_ms;
+	o.on_event = tev_record;
+	o.event_arg = ev;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	return l;
+}
+
+struct set_worker {
+	kl_provider *p;
+	const char *keys[3];
+	long rounds;
+	atomic_int *inside;
+	atomic_int *overlaps;
+	long *count;
+	pthread_t t;
+	int rc; /* outputs, read after join */
+	long done;
+	char message[256];
+};
+
+static int
+set_count(kl_lease *lease, void *arg)
+{
+	struct set_worker *w = arg;
+
+	(void)lease;
+	if (atomic_fetch_add(w->inside, 1) != 0)
+		atomic_fetch_add(w->overlaps, 1);
+	(*w->count)++;
+	sched_yield();
+	atomic_fetch_sub(w->inside, 1);
+	return 0;
+}
+
+static void *
+set_worker_main(void *arg)
+{
+	struct set_worker *w = arg;
+	struct test_events ev;
+	kl_lock *l = set_lock(w->p, 20000, &ev);
+	kl_error err;
+
+	memset(&err, 0, sizeof err);
+	w->rc = KL_OK;
+	for (w->done = 0; w->done < w->rounds; w->done++) {
+		w->rc = kl_lock_run_many(l, w->keys, 3, NULL, set_count, w,
+					 NULL, &err);
+		if (w->rc != KL_OK)
+			break;
+	}
+	memcpy(w->message, err.message, sizeof w->message);
+	kl_lock_free(l);
+	return NULL;
+}
+
+/* Clients (each its own provider, so its own sessions) taking the same
+ * three keys as sets, each given them in another order (two exactly
+ * opposite), all finish, every round once and none two at a time.  The
+ * provider waits for each key on a session that holds nothing, so the
+ * server sees no cycle: taken in the given order, two clients soon hold
+ * one end each and wait for the other's until a round's 20 s timeout. */
+START_TEST(test_set_orders_clients)
+{
+	enum { N = 4 };
+	const char *a = new_key("setA"), *b = new_key("setB"),
+		   *c = new_key("setC");
+	const char *orders[N][3] = {
+		{ a, b, c }, { c, b, a }, { b, c, a }, { a, c, b },
+	};
+	struct set_worker w[N];
+	atomic_int inside = 0, overlaps = 0;
+	long count = 0, rounds = kl_test_scaled(20, 6);
+
+	for (int i = 0; i < N; i++) {
+		memset(&w[i], 0, sizeof w[i]);
+		w[i].p = open_pg(NULL);
+		memcpy(w[i].keys, orders[i], sizeof w[i].keys);
+		w[i].rounds = rounds;
+		w[i].inside = &inside;
+		w[i].overlaps = &overlaps;
+		w[i].count = &count;
+	}
+	for (int i = 0; i < N; i++)
+		test_thread_start(&w[i].t, set_worker_main, &w[i]);
+	for (int i = 0; i < N; i++)
+		test_thread_join(w[i].t);
+	for (int i = 0; i < N; i++) {
+		ck_assert_msg(w[i].rc == KL_OK, "client %d, round %ld: %s: %s",
+			      i, w[i].done, kl_strerror(w[i].rc),
+			      w[i].message);
+		kl_provider_free(w[i].p);
+	}
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	ck_assert_int_eq(count, N * rounds);
+	wait_server_locks(a, 0, 0);
+	wait_server_locks(b, 0, 0);
+	wait_server_locks(c, 0, 0);
+}
+END_TEST
+
+/* A set failing on its second key (canonical order) gives the first
+ * back: the set waits out its deadline on the second, held by another
+ * session; afterwards pg_locks shows no lock on the first key (granted
+ * or waiting) and only the other session's on the second, the error names
+ * the second key, and the events are one ACQUIRED and one RELEASED (the
+ * first key) and one REJECTED. */
+START_TEST(test_set_second_fails_releases_first)
+{
+	char k1[96], k2[96];
+	const char *keys[2];
+	kl_provider *p = open_pg(NULL), *q = open_pg(NULL);
+	struct test_events ev;
+	kl_lock *l = set_lock(p, 400, &ev);
+	kl_lease *lease = (kl_lease *)&lease;
+	struct hold h;
+	kl_error err;
+	int rc;
+
+	snprintf(k1, sizeof k1, "%s/1", new_key("set"));
+	snprintf(k2, sizeof k2, "%.*s/2", (int)strlen(k1) - 2, k1);
+	keys[0] = k2;
+	keys[1] = k1;
+	take_ok(q, k2, &h);
+	wait_server_locks(k2, 1, 0);
+	memset(&err, 0, sizeof err);
+	rc = kl_lock_acquire_many(l, keys, 2, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_null(lease);
+	ck_assert_msg(strstr(err.message, k2) != NULL, "message: %s",
+		      err.message);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 1);
+	wait_server_locks(k1, 0, 0);
+	wait_server_locks(k2, 1, 0);
+	kl_lease_release(h.lease);
+	kl_lock_free(h.l);
+	wait_server_locks(k2, 0, 0);
+
+	/* Now granted: both keys held, in the canonical order. */
+	rc = kl_lock_acquire_many(l, keys, 2, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_OK, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_uint_eq(kl_lease_count(lease), 2);
+	ck_assert_str_eq(kl_lease_key_at(lease, 0), k1);
+	ck_assert_str_eq(kl_lease_key_at(lease, 1), k2);
+	ck_assert_uint_gt(kl_lease_fence_at(lease, 0), 0);
+	ck_assert_uint_gt(kl_lease_fence_at(lease, 1), 0);
+	wait_server_locks(k1, 1, 0);
+	wait_server_locks(k2, 1, 0);
+	kl_lease_release(lease);
+	wait_server_locks(k1, 0, 0);
+	wait_server_locks(k2, 0, 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* kl_lock_acquire_many in a thread of its own (test_bg). */
+struct set_call {
+	kl_lock *l;
+	const char *const *keys;
+	size_t n;
+	int rc;
+	kl_lease *lease;
+	kl_error err;
+};
+
+static void
+set_call_main(void *arg)
+{
+	struct set_call *c = arg;
+
+	c->rc = kl_lock_acquire_many(c->l, c->keys, c->n, NULL, &c->lease,
+				     &c->err);
+}
+
+/* The server's deadlock_detected (40P01) on a set's second key is the
+ * set's KL_EDEADLK, naming that key, and the set keeps nothing: the
+ * cycle is built as in test_server_deadlock_is_edeadlk (a test session
+ * holding the fence sequence's floor lock waits for the key right behind
+ * the provider's session), while the set already holds its first key;
+ * afterwards pg_locks shows nothing on the first key. */
+START_TEST(test_set_deadlock_releases_first)
+{
+	kl_provider *p = open_pg(NULL);
+	char k1[96], k2[96], sql[128];
+	const char *keys[2];
+	struct set_call *c = calloc(1, sizeof *c);
+	struct test_events ev;
+	kl_lock *l = set_lock(p, WAIT_BOUND_MS, &ev);
+	struct test_bg bg;
+	PGconn *holder, *t;
+	PGresult *r;
+	int64_t id;
+	bool ok = false;
+
+	ck_assert_ptr_nonnull(c);
+	snprintf(k1, sizeof k1, "%s/1", new_key("setdl"));
+	snprintf(k2, sizeof k2, "%.*s/2", (int)strlen(k1) - 2, k1);
+	keys[0] = k2;
+	keys[1] = k1;
+	id = kl_pg_key_id(k2, strlen(k2));
+	holder = PQconnectdb(g_uri);
+	t = PQconnectdb(g_uri);
+	ck_assert(PQstatus(holder) == CONNECTION_OK &&
+		  PQstatus(t) == CONNECTION_OK);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_lock(%" PRId64 ")", id);
+	exec_ok(holder, sql);
+	c->l = l;
+	c->keys = keys;
+	c->n = 2;
+	c->rc = 1;
+	test_bg_start(&bg, set_call_main, c);
+	wait_server_locks(k1, 1, 0);
+	wait_server_locks(k2, 1, 1);
+	exec_ok(t, "SET deadlock_timeout = '1h'");
+	exec_ok(t, "BEGIN");
+	exec_ok(t, "SELECT pg_advisory_xact_lock(1802266213, 1851999521)");
+	ck_assert(PQsendQuery(t, sql) == 1);
+	wait_server_locks(k2, 1, 2);
+	snprintf(sql, sizeof sql, "SELECT pg_advisory_unlock(%" PRId64 ")",
+		 id);
+	exec_ok(holder, sql);
+	test_bg_join(&bg, "the set to end in the server's deadlock");
+	ck_assert_msg(c->rc == KL_EDEADLK, "%s: %s", kl_strerror(c->rc),
+		      c->err.message);
+	ck_assert_msg(strstr(c->err.message, k2) != NULL &&
+			      strstr(c->err.message, "deadlock") != NULL,
+		      "%s", c->err.message);
+	ck_assert_ptr_null(c->lease);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 1);
+	wait_server_locks(k1, 0, 0);
+	while ((r = PQgetResult(t)) != NULL) {
+		ok = ok || PQresultStatus(r) == PGRES_TUPLES_OK;
+		PQclear(r);
+	}
+	ck_assert(ok);
+	exec_ok(t, "COMMIT");
+	wait_server_locks(k2, 1, 0);
+	ck_assert_int_eq(holder_pid(k2), PQbackendPID(t));
+	exec_ok(t, sql);
+	wait_server_locks(k2, 0, 0);
+	wait_server_locks(k1, 0, 0);
+	PQfinish(t);
+	PQfinish(holder);
+	kl_lock_free(l);
+	free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 static Suite *
 provider_pg_suite(void)
 {
@@ -2602,6 +2870,14 @@ provider_pg_suite(void)
 	tcase_add_test(tc, test_snapshot);
 	tcase_add_test(tc, test_server_deadlock_is_edeadlk);
 	tcase_add_test(tc, test_client_cycle_not_seen_by_server);
+	suite_add_tcase(s, tc);
+
+	tc = tcase_create("sets");
+	tcase_add_checked_fixture(tc, setup, teardown);
+	tcase_set_timeout(tc, 300);
+	tcase_add_test(tc, test_set_orders_clients);
+	tcase_add_test(tc, test_set_second_fails_releases_first);
+	tcase_add_test(tc, test_set_deadlock_releases_first);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("processes");

@@ -44,6 +44,7 @@
 #include <limits.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sched.h>
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
@@ -2418,6 +2419,324 @@ END_TEST
 
 /* ------------------------------------------------------------------ */
 
+
+/* ------------------------------------------------------------------ */
+/* Key sets (issue 18): a property of the Lock strategy over Redis     */
+
+/* A lock without a key on p, with events recorded into ev. */
+static kl_lock *
+set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
+	 struct test_events *ev)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	tev_init(ev);
+	o.provider = p;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	o.on_event = tev_record;
+	o.event_arg = ev;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	return l;
+}
+
+struct set_worker {
+	kl_provider *p;
+	const char *keys[3];
+	long rounds;
+	atomic_int *inside;
+	atomic_int *overlaps;
+	long *count; /* plain: the set must exclude the others */
+	pthread_t t;
+	int rc; /* outputs, read after join */
+	long done;
+	char message[256];
+};
+
+static int
+set_count(kl_lease *lease, void *arg)
+{
+	struct set_worker *w = arg;
+
+	(void)lease;
+	if (atomic_fetch_add(w->inside, 1) != 0)
+		atomic_fetch_add(w->overlaps, 1);
+	(*w->count)++;
+	sched_yield();
+	atomic_fetch_sub(w->inside, 1);
+	return 0;
+}
+
+static void *
+set_worker_main(void *arg)
+{
+	struct set_worker *w = arg;
+	struct test_events ev;
+	kl_lock *l = set_lock(w->p, 20000, 0, &ev);
+	kl_error err;
+
+	memset(&err, 0, sizeof err);
+	w->rc = KL_OK;
+	for (w->done = 0; w->done < w->rounds; w->done++) {
+		w->rc = kl_lock_run_many(l, w->keys, 3, NULL, set_count, w,
+					 NULL, &err);
+		if (w->rc != KL_OK)
+			break;
+	}
+	memcpy(w->message, err.message, sizeof w->message);
+	kl_lock_free(l);
+	return NULL;
+}
+
+/* Clients (each its own provider, so its own connections) taking the
+ * same three keys as sets, each given them in another order (two exactly
+ * opposite), all finish with every round done once and no two inside at
+ * once.  Redis detects no deadlock: taken in the given order, two clients
+ * soon hold one end each and wait for the other's until the 20 s
+ * timeout of a round. */
+START_TEST(test_set_orders_clients)
+{
+	enum { N = 4 };
+	static const char *const orders[N][3] = {
+		{ "set:a", "set:b", "set:c" },
+		{ "set:c", "set:b", "set:a" },
+		{ "set:b", "set:c", "set:a" },
+		{ "set:a", "set:c", "set:b" },
+	};
+	struct set_worker w[N];
+	atomic_int inside = 0, overlaps = 0;
+	long count = 0, rounds = kl_test_scaled(30, 8);
+	kl_provider *p = open_default();
+
+	for (int i = 0; i < N; i++) {
+		memset(&w[i], 0, sizeof w[i]);
+		w[i].p = open_default();
+		memcpy(w[i].keys, orders[i], sizeof w[i].keys);
+		w[i].rounds = rounds;
+		w[i].inside = &inside;
+		w[i].overlaps = &overlaps;
+		w[i].count = &count;
+	}
+	for (int i = 0; i < N; i++)
+		test_thread_start(&w[i].t, set_worker_main, &w[i]);
+	for (int i = 0; i < N; i++)
+		test_thread_join(w[i].t);
+	for (int i = 0; i < N; i++) {
+		ck_assert_msg(w[i].rc == KL_OK, "client %d, round %ld: %s: %s",
+			      i, w[i].done, kl_strerror(w[i].rc),
+			      w[i].message);
+		kl_provider_free(w[i].p);
+	}
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	ck_assert_int_eq(count, N * rounds);
+	for (int k = 0; k < 3; k++)
+		test_assert_status(p, orders[0][k], 0, 0);
+	/* Only the three fence counters stay. */
+	ck_assert_int_eq(count_keys(",:f,"), 3);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* kl_lock_acquire_many in a thread of its own (test_bg). */
+struct set_call {
+	kl_lock *l;
+	const char *const *keys;
+	size_t n;
+	int rc;
+	kl_lease *lease;
+	kl_error err;
+};
+
+static void
+set_call_main(void *arg)
+{
+	struct set_call *c = arg;
+
+	c->rc = kl_lock_acquire_many(c->l, c->keys, c->n, NULL, &c->lease,
+				     &c->err);
+}
+
+static int
+set_fn_never(kl_lease *lease, void *arg)
+{
+	(void)lease;
+	(void)arg;
+	ck_abort_msg("the function of a failed set ran");
+	return 0;
+}
+
+/* All or nothing on timeout: a set whose second key (canonical order)
+ * another client holds takes the first, waits out its deadline on the
+ * second and gives the first back: no holder of the first key seen from
+ * the server (status through another client, and that client's try-once
+ * succeeds), no lease, the error names the second key, one ACQUIRED and
+ * one RELEASED for the first key, one REJECTED. */
+START_TEST(test_set_timeout_holds_nothing)
+{
+	const char *first = "set:first", *second = "set:second";
+	const char *keys[] = { second, first };
+	kl_provider *p = open_default(), *q = open_default(),
+		    *t = open_default();
+	struct test_events ev;
+	kl_lock *l = set_lock(p, 400, 0, &ev);
+	kl_lease *lease = (kl_lease *)&lease;
+	struct hold hs, hf;
+	kl_error err;
+	int rc, r = -1;
+
+	take_ok(q, second, 0, &hs);
+	memset(&err, 0, sizeof err);
+	rc = kl_lock_acquire_many(l, keys, 2, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_null(lease);
+	ck_assert_msg(strstr(err.message, second) != NULL, "message: %s",
+		      err.message);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 1);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_REJECTED), 1);
+	test_assert_status(t, first, 0, 0);
+	wait_status(t, second, 1, 0);
+
+	rc = kl_lock_run_many(l, keys, 2, NULL, set_fn_never, NULL, &r, &err);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "run_many: %s", kl_strerror(rc));
+	ck_assert_int_eq(r, -1);
+	test_assert_status(t, first, 0, 0);
+
+	rc = take(t, first, 0, 0, NULL, &hf, &err);
+	ck_assert_msg(rc == KL_OK, "third party try-once: %s: %s",
+		      kl_strerror(rc), err.message);
+	hold_free(&hf);
+	hold_free(&hs);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	kl_provider_free(q);
+	kl_provider_free(t);
+}
+END_TEST
+
+/* Releases the struct hold arg after 2 s (a duration under test). */
+static void *
+release_later(void *arg)
+{
+	test_sleep_ms(2000);
+	drop(arg);
+	return NULL;
+}
+
+/* One deadline for the set: the first key is held by another client for
+ * 2 s of the set's 3 s, the last key for longer; the set ends
+ * KL_ETIMEDOUT about 3 s after it began (not 3 s after it began to wait
+ * for the last key, 5 s), holding nothing; its keys and fences are in
+ * the canonical order when it is granted. */
+START_TEST(test_set_one_deadline)
+{
+	const char *keys[] = { "set:d3", "set:d2", "set:d1" };
+	kl_provider *p = open_default(), *q = open_default();
+	struct test_events ev;
+	kl_lock *l = set_lock(p, 3000, 0, &ev);
+	struct hold h1, h3;
+	kl_lease *lease = NULL;
+	pthread_t t;
+	kl_error err;
+	int64_t t0, ms;
+	int rc;
+
+	take_ok(q, "set:d1", 0, &h1);
+	take_ok(q, "set:d3", 0, &h3);
+	t0 = now_ns();
+	/* The set waits on set:d1 here; another thread releases it 2 s
+	 * into the set's 3 s. */
+	test_thread_start(&t, release_later, &h1);
+	rc = kl_lock_acquire_many(l, keys, 3, NULL, &lease, &err);
+	ms = (now_ns() - t0) / 1000000;
+	test_thread_join(t);
+	ck_assert_msg(rc == KL_ETIMEDOUT, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_ptr_null(lease);
+	ck_assert_int_ge(ms, 3000);
+	ck_assert_msg(ms < 4500, "the set took %lld ms", (long long)ms);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_ACQUIRED), 2);
+	ck_assert_int_eq(tev_count(&ev, KL_EV_RELEASED), 2);
+	test_assert_status(q, "set:d1", 0, 0);
+	test_assert_status(q, "set:d2", 0, 0);
+	wait_status(q, "set:d3", 1, 0);
+	hold_free(&h3);
+
+	rc = kl_lock_acquire_many(l, keys, 3, NULL, &lease, &err);
+	ck_assert_msg(rc == KL_OK, "set: %s: %s", kl_strerror(rc),
+		      err.message);
+	ck_assert_uint_eq(kl_lease_count(lease), 3);
+	for (size_t i = 0; i < 3; i++) {
+		ck_assert_str_eq(kl_lease_key_at(lease, i), keys[2 - i]);
+		ck_assert_uint_gt(kl_lease_fence_at(lease, i), 0);
+		test_assert_status(q, keys[i], 1, 0);
+	}
+	kl_lease_release(lease);
+	for (size_t i = 0; i < 3; i++)
+		test_assert_status(q, keys[i], 0, 0);
+	hold_free(&h1);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
+/* A set that fails because the server stops under it leaves nothing
+ * held once the server is back: the set holds its first key and waits
+ * for its second (held by another client) when the server is stopped;
+ * the set ends (KL_ETIMEDOUT or KL_EPROVIDER) within its deadline plus
+ * the provider's bounds, without a lease; after SIGCONT the first key
+ * has no holder long before its ttl (60 s) could have freed it, the
+ * second has only its own holder, and a try-once on the first
+ * succeeds. */
+START_TEST(test_set_server_stopped)
+{
+	const char *first = "set:stop1", *second = "set:stop2";
+	const char *keys[] = { first, second };
+	kl_provider *p = open_opts("restart_guard=0&ttl=60s"),
+		    *q = open_opts("restart_guard=0&ttl=60s");
+	struct test_events ev;
+	kl_lock *l = set_lock(p, 2500, 0, &ev);
+	struct set_call *c = calloc(1, sizeof *c);
+	struct hold hs, hf;
+	struct test_bg bg;
+	kl_error err;
+	int rc;
+
+	ck_assert_ptr_nonnull(c);
+	take_ok(q, second, 0, &hs);
+	c->l = l;
+	c->keys = keys;
+	c->n = 2;
+	c->rc = 1;
+	test_bg_start(&bg, set_call_main, c);
+	wait_status(q, second, 1, 1);
+	test_assert_status(q, first, 1, 0);
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	test_bg_join(&bg, "the set to give up on the stopped server");
+	ck_assert_msg(c->rc == KL_ETIMEDOUT || c->rc == KL_EPROVIDER,
+		      "set: %s: %s", kl_strerror(c->rc), c->err.message);
+	ck_assert_ptr_null(c->lease);
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+	test_wait_status(q, first, 0, 0, 20000);
+	wait_status(q, second, 1, 0);
+	ck_assert(kl_lease_valid(hs.lease));
+	rc = take(q, first, 0, 0, NULL, &hf, &err);
+	ck_assert_msg(rc == KL_OK, "try-once on the first key: %s: %s",
+		      kl_strerror(rc), err.message);
+	hold_free(&hf);
+	hold_free(&hs);
+	kl_lock_free(l);
+	free(c);
+	kl_provider_free(p);
+	kl_provider_free(q);
+}
+END_TEST
+
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
@@ -2469,6 +2788,10 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
 	tcase_add_test(tc, test_snapshot_after_idle_close);
+	tc = tcase_new(s, "sets", 300);
+	tcase_add_test(tc, test_set_orders_clients);
+	tcase_add_test(tc, test_set_timeout_holds_nothing);
+	tcase_add_test(tc, test_set_one_deadline);
 	tc = tcase_new(s, "secrets", 60);
 	tcase_add_test(tc, test_auth);
 	tcase_add_test(tc, test_restricted_acl_user);
@@ -2488,6 +2811,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_stalled_late_shared_grant);
 	tcase_add_test(tc, test_stalled_waiter_leaves);
 	tcase_add_test(tc, test_stalled_timeout_bound);
+	tcase_add_test(tc, test_set_server_stopped);
 	tcase_add_test(tc, test_restart);
 
 	return s;
