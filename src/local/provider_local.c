@@ -116,8 +116,9 @@
  *   grant-recorded    its fence written in its file, the counters not
  *                     (local_queue.c)
  *   granted           the owner found its grant, queue lock held
- *   granted-unlocked  the same, queue lock dropped, its waits record
- *                     (deadlock detection) not removed yet
+ *   granted-registered  the same, queue lock dropped, for a wait that
+ *                     registered for deadlock detection: its waits
+ *                     record not removed yet (local_deadlock.c)
  *   release-locked    releasing: queue lock held, nothing changed
  *   release-unlinked  releasing: ticket file removed, the queue not
  *                     processed
@@ -504,7 +505,8 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 				break;
 			KL_CRASH_POINT("granted");
 			kl__local_qunlock(l->qfd);
-			KL_CRASH_POINT("granted-unlocked");
+			if (dl.wfd >= 0)
+				KL_CRASH_POINT("granted-registered");
 			kl__local_dl_end(lp, &dl);
 			watch_put(lp, ifd);
 			*out = l;

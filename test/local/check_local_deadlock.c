@@ -9,8 +9,8 @@
  * while the other members go on.  And no false victim: a chain that waits
  * for a holder busy longer than deadlock_ms, detection turned off (only
  * timeouts end a cycle then), the waits record of a process killed while
- * it waited, and waits records planted so that believing them would close
- * a cycle.
+ * it waited, the record of a process stopped right after its grant, and
+ * waits records planted so that believing them would close a cycle.
  *
  * Helper processes are test/local/local_helper ("pair": hold KEY1, then
  * on a line from the test ask for KEY2 and report the status), spawned
@@ -234,19 +234,25 @@ drop(struct hold *h)
 /* Helper processes                                                    */
 
 /* local_helper MODE g_dir KEY1 [KEY2 MODES TIMEOUT] with
- * KEYLOCK_DEADLOCK_MS=dl in its environment. */
+ * KEYLOCK_DEADLOCK_MS=dl in its environment, and KL_STOP_AT=stop (the
+ * provider's crash points, test build only) unless stop is NULL. */
 static void
-spawn(struct test_helper *h, const char *const *args, const char *dl)
+spawn_stop(struct test_helper *h, const char *const *args, const char *dl,
+	   const char *stop)
 {
-	char var[64], **envp;
+	char var[64], stop_var[64], **envp;
 	size_t n = 0, j = 0;
 
 	while (environ[n] != NULL)
 		n++;
-	envp = calloc(n + 2, sizeof *envp);
+	envp = calloc(n + 3, sizeof *envp);
 	ck_assert_ptr_nonnull(envp);
 	snprintf(var, sizeof var, "KEYLOCK_DEADLOCK_MS=%s", dl);
 	envp[j++] = var;
+	if (stop != NULL) {
+		snprintf(stop_var, sizeof stop_var, "KL_STOP_AT=%s", stop);
+		envp[j++] = stop_var;
+	}
 	for (size_t i = 0; i < n; i++)
 		if (strncmp(environ[i], "KEYLOCK_DEADLOCK_MS=", 20) != 0 &&
 		    strncmp(environ[i], "KL_CRASH_AT=", 12) != 0 &&
@@ -258,19 +264,33 @@ spawn(struct test_helper *h, const char *const *args, const char *dl)
 	free(envp);
 }
 
-/* A "pair" helper holding key1 (granted when this returns), which asks
- * for key2 once told (go). */
 static void
-pair_start(struct test_helper *h, const char *key1, const char *key2,
-	   const char *modes, int64_t timeout_ms, const char *dl)
+spawn(struct test_helper *h, const char *const *args, const char *dl)
+{
+	spawn_stop(h, args, dl, NULL);
+}
+
+/* A "pair" helper holding key1 (granted when this returns), which asks
+ * for key2 once told (go); stopped at the crash point stop (NULL: none). */
+static void
+pair_start_stop(struct test_helper *h, const char *key1, const char *key2,
+		const char *modes, int64_t timeout_ms, const char *dl,
+		const char *stop)
 {
 	char timeout[32];
 	const char *args[7] = { "pair", g_dir, key1, key2, modes, timeout,
 				NULL };
 
 	snprintf(timeout, sizeof timeout, "%" PRId64, timeout_ms);
-	spawn(h, args, dl);
+	spawn_stop(h, args, dl, stop);
 	(void)test_helper_granted(h, HANG_GUARD_MS);
+}
+
+static void
+pair_start(struct test_helper *h, const char *key1, const char *key2,
+	   const char *modes, int64_t timeout_ms, const char *dl)
+{
+	pair_start_stop(h, key1, key2, modes, timeout_ms, dl, NULL);
 }
 
 static void
@@ -909,6 +929,72 @@ START_TEST(test_planted_records)
 }
 END_TEST
 
+/* A waits record left by a live process whose wait is over: X, this
+ * thread, holds B; T, a thread here, and then P, a helper holding A, ask
+ * for B shared and wait (both register).  X releases: T and P are granted
+ * B in one shared run, and P stops (SIGSTOP) right after its grant,
+ * before it removes its record.  T then waits for A: P's record, believed,
+ * would say that P waits for B behind T, which holds it, and close a
+ * cycle.  It names P's ticket of B, which holds: no edge, and T's wait
+ * times out.  P, continued, goes on. */
+START_TEST(test_stopped_after_grant)
+{
+	kl_provider *p = open_dir();
+	struct test_helper h;
+	struct hold x;
+	struct member *t;
+	atomic_int held;
+	atomic_bool gop;
+	struct held_arg ha = { &held, 1 };
+	char msg[300], dl[16];
+	int status, rc;
+
+	snprintf(dl, sizeof dl, "%d", DL_MS);
+	atomic_init(&held, 0);
+	atomic_init(&gop, false);
+	take_ok(p, "ld:b", 0, &x);
+	t = member_start(p, "ld:b", KL_SHARED, "ld:a", 0, &held, &gop);
+	t->timeout_ms = 1500;
+	wait_status(p, "ld:b", 1, 1);
+	pair_start_stop(&h, "ld:a", "ld:b", "xs", PAIR_TIMEOUT_MS, dl,
+			"granted-registered");
+	go(&h);
+	wait_status(p, "ld:b", 1, 2);
+	for (int polls = 0; waits_records() < 2; polls++) {
+		ck_assert_msg(polls < HANG_GUARD_MS / 10,
+			      "no waits records of T and P");
+		test_sleep_ms(10);
+	}
+	drop(&x);
+	test_poll(all_held, &ha, "the thread to hold B");
+	/* P stops at the point once granted. */
+	for (int polls = 0;; polls++) {
+		pid_t r = waitpid(h.pid, &status, WUNTRACED | WNOHANG);
+
+		ck_assert_int_ge(r, 0);
+		if (r == h.pid) {
+			ck_assert(WIFSTOPPED(status));
+			break;
+		}
+		ck_assert_msg(polls < HANG_GUARD_MS / 10, "P never stopped");
+		test_sleep_ms(10);
+	}
+	test_assert_status(p, "ld:b", 2, 0);
+	ck_assert_int_eq(waits_records(), 1);
+	atomic_store(&gop, true);
+	member_join(t);
+	ck_assert_msg(t->rc2 == KL_ETIMEDOUT, "%s: %s", kl_strerror(t->rc2),
+		      t->err.message);
+	free(t);
+	ck_assert_int_eq(kill(h.pid, SIGCONT), 0);
+	rc = pair_result(&h, msg, sizeof msg);
+	ck_assert_msg(rc == KL_OK, "helper: %s: %s", kl_strerror(rc), msg);
+	pair_end(&h);
+	ck_assert_int_eq(waits_records(), 0);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 
 static TCase *
@@ -939,6 +1025,7 @@ local_deadlock_suite(void)
 	tcase_add_test(tc, test_detection_off);
 	tcase_add_test(tc, test_dead_waiter_record);
 	tcase_add_test(tc, test_planted_records);
+	tcase_add_test(tc, test_stopped_after_grant);
 	return s;
 }
 
