@@ -51,8 +51,10 @@
  * Cost: for a wait shorter than deadlock_ms, a clock read per look (at
  * most one per poll period); a check reads the queue of each key on the
  * way and the waits records of its holders, and allocates (a failure
- * only skips that check).  Dead owners' records are also swept from the
- * directory when a wait registers, at most every SWEEP_MS per provider.
+ * only skips that check).  A dead owner's record goes when its ticket is
+ * found dead (kl__local_dl_forget, as the ticket file goes), and the
+ * directory is swept of any other when a wait registers, at most every
+ * SWEEP_MS per provider.
  */
 #include "config.h"
 
@@ -227,6 +229,26 @@ sweep(struct local *lp)
 			close(fd);
 	}
 	closedir(d);
+}
+
+void
+kl__local_dl_forget(struct local *lp, const struct kl__local_trec *rec)
+{
+	struct who u = { rec->pid, rec->nonce, rec->thread };
+	char name[KL_LOCAL_WNAME];
+	int fd;
+
+	/* Under the detector lock, as records are made: a live thread
+	 * whose ticket died (it gave up) may be making a new one. */
+	if (pthread_mutex_trylock(&lp->dl_lock) != 0)
+		return;
+	if (flock(lp->sfd, LOCK_EX | LOCK_NB) == 0) {
+		waits_name(name, sizeof name, &u);
+		if ((fd = waits_open(lp, name)) >= 0)
+			close(fd);
+		flock(lp->sfd, LOCK_UN);
+	}
+	pthread_mutex_unlock(&lp->dl_lock);
 }
 
 /* Makes l's waits record, flocked (detector lock held).  0 or -1. */

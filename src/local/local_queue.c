@@ -380,8 +380,17 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 	alive = flock(fd, LOCK_SH | LOCK_NB) != 0;
 	if (alive && errno != EWOULDBLOCK)
 		t->unsure = errno;
-	if (!alive && locked)
+	if (!alive && locked) {
+		struct kl__local_ticket dead;
+
+		/* A process killed while it waited may have left its waits
+		 * record (deadlock detection): it goes with the ticket. */
+		memset(&dead, 0, sizeof dead);
+		kl__local_read_ticket(fd, n, &dead);
+		if (dead.known)
+			kl__local_dl_forget(lp, &dead.rec);
 		unlinkat(lp->dirfd, tname, 0);
+	}
 	/* Its owner wrote the record before it took the flock. */
 	if (alive)
 		kl__local_read_ticket(fd, n, t);

@@ -175,13 +175,6 @@ waits_records(void)
 	return n;
 }
 
-static bool
-has_waits_record(void *arg)
-{
-	(void)arg;
-	return waits_records() > 0;
-}
-
 struct hold {
 	kl_lock *l;
 	kl_lease *lease;
@@ -818,37 +811,51 @@ START_TEST(test_detection_off)
 }
 END_TEST
 
-/* A process killed while it waited (registered) leaves its waits record;
- * it makes no victim, and a later wait's check removes it. */
+/* Processes killed while they waited (registered) leave their waits
+ * records, which make no victim: P1's goes with its dead ticket when the
+ * key it waited for is next processed (released here); P2's, whose ticket
+ * nobody looks at, is swept by a later wait's check. */
 START_TEST(test_dead_waiter_record)
 {
 	kl_provider *p = open_dir();
-	struct test_helper h, c;
-	struct hold b, a2, cc;
+	struct test_helper h1, h2, c;
+	struct hold b, d, a2, cc;
 	kl_error err;
 	char dl[16];
 
 	snprintf(dl, sizeof dl, "%d", DL_MS);
 	take_ok(p, "ld:b", 0, &b);
-	pair_start(&h, "ld:a", "ld:b", "xx", PAIR_TIMEOUT_MS, dl);
-	go(&h);
-	test_poll(has_waits_record, NULL, "the helper's waits record");
-	test_helper_kill(&h);
-	test_helper_close(&h);
+	take_ok(p, "ld:d", 0, &d);
+	/* Both registered before either dies: a wait's first check
+	 * sweeps the dead records. */
+	pair_start(&h1, "ld:a", "ld:b", "xx", PAIR_TIMEOUT_MS, dl);
+	pair_start(&h2, "ld:e", "ld:d", "xx", PAIR_TIMEOUT_MS, dl);
+	go(&h1);
+	go(&h2);
+	for (int polls = 0; waits_records() < 2; polls++) {
+		ck_assert_msg(polls < HANG_GUARD_MS / 10,
+			      "no records of P1 and P2");
+		test_sleep_ms(10);
+	}
+	test_helper_kill(&h1);
+	test_helper_close(&h1);
+	test_helper_kill(&h2);
+	test_helper_close(&h2);
+	ck_assert_int_eq(waits_records(), 2);
+	drop(&b);
 	ck_assert_int_eq(waits_records(), 1);
-	/* Its key is free again. */
+	/* P1's key is free again. */
 	take_ok(p, "ld:a", 0, &a2);
-	/* This thread holds A and B, which the dead process held and
-	 * waited for: a record believed would close a cycle through it,
-	 * were it reachable.  A wait here registers, sweeps the dead
-	 * record and times out: no victim. */
+	/* This thread holds A and D, which the dead processes held, and
+	 * their records said they waited for B and D: a wait here
+	 * registers, sweeps P2's record, and times out: no victim. */
 	hold_start(&c, "ld:c", false);
 	ck_assert_int_eq(take(p, "ld:c", 800, 0, &cc, &err), KL_ETIMEDOUT);
 	kl_lock_free(cc.l);
 	ck_assert_int_eq(waits_records(), 0);
 	hold_end(&c);
 	drop(&a2);
-	drop(&b);
+	drop(&d);
 	kl_provider_free(p);
 }
 END_TEST
