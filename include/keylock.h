@@ -528,7 +528,8 @@ KL_API uint64_t kl_lease_fence_at(const kl_lease *lease, size_t i);
 
 /* Deadlock detection of the memory provider (kl_lock over
  * kl_memory_provider() or kl_memory_provider_new(); not kl_mutex, not the
- * registry), process-wide, on by default.  A wait for a key that has lasted
+ * registry) and of the local: provider (across the processes sharing its
+ * directory), process-wide, on by default.  A wait for a key that has lasted
  * deadlock_ms (default 1000, or KEYLOCK_DEADLOCK_MS read once at first use)
  * checks the waits-for graph (thread -> key it waits for -> the threads
  * that acquired that key, every shared holder -> ...), and again every

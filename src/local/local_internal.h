@@ -47,6 +47,12 @@ struct local {
 	pthread_mutex_t pool_lock;
 	int pool[KL_LOCAL_POOL_MAX]; /* idle inotify descriptors */
 	int npool;
+	/* Deadlock detection (local_deadlock.c): one walk at a time among
+	 * this provider's threads (the secret's flock, which it takes too,
+	 * is one per open file, shared by them), and when it last removed
+	 * dead waits records. */
+	pthread_mutex_t dl_lock;
+	int64_t dl_swept_ns;
 };
 
 /* The queue file: this header, then the key's bytes when key_len is at
@@ -160,6 +166,84 @@ typedef int (*kl__local_walk_fn)(const struct kl__local_ticket *t,
 KL_HIDDEN int kl__local_walk(struct local *lp, const char *qname,
 			     const struct kl__local_qstate *st,
 			     kl__local_walk_fn fn, void *arg);
+
+/* Reads ticket n's record (and grant) from its file fd into t: known,
+ * shared, has_grant; the rest of t is left alone. */
+KL_HIDDEN void kl__local_read_ticket(int fd, uint64_t n,
+				     struct kl__local_ticket *t);
+
+/* local_deadlock.c: deadlock detection (the protocol is at its top).
+ *
+ * A waits record, "w<nonce>.<pid>.<thread>" (the nonce in 16 hex digits,
+ * the others in decimal) in the state directory: a thread that has waited
+ * deadlock_ms says which ticket it waits with, and keeps an exclusive
+ * flock on the file while it waits. */
+#define KL_LOCAL_WNAME 64
+#define KL_LOCAL_WAITS_MAGIC 0x314b4c57574b4c4bULL /* "KLWWKL1" */
+struct kl__local_wrec {
+	uint64_t magic;
+	int64_t pid;       /* the waiting thread, as its tickets name it */
+	uint64_t nonce;
+	uint64_t thread;
+	uint64_t ticket;   /* the ticket it waits with */
+	int64_t since_us;  /* that ticket's record's */
+	char qname[KL_LOCAL_QNAME]; /* the queue file of the key */
+};
+
+/* One wait's part in detection, on the waiting thread's stack. */
+struct kl__local_dl {
+	int64_t due; /* the next check (kl__now_ns), or -1: none */
+	bool started;
+	int wfd;     /* the waits record, while registered; else -1 */
+	dev_t wdev;
+	ino_t wino;
+	char wname[KL_LOCAL_WNAME];
+};
+
+static inline void
+kl__local_dl_init(struct kl__local_dl *d)
+{
+	d->started = false;
+	d->due = -1;
+	d->wfd = -1;
+}
+
+KL_HIDDEN bool kl__local_dl_first(struct kl__local_dl *d);
+
+/* Whether the wait d is due for a check: never before it has lasted
+ * deadlock_ms (read when it starts; KL_FOREVER: never), then every
+ * deadlock_ms.  One clock read per call once started. */
+static inline bool
+kl__local_dl_due(struct kl__local_dl *d)
+{
+	if (__builtin_expect(!d->started, 0))
+		return kl__local_dl_first(d);
+	return d->due >= 0 && kl__now_ns() >= d->due;
+}
+
+/* The check of the wait d, l's, for key, queue lock not held: KL_OK, or
+ * KL_EDEADLK with err saying which keys form the cycle this wait closes
+ * (it has then left the graph: its caller leaves the queue). */
+KL_HIDDEN int kl__local_dl_check(struct local *lp,
+				 const struct local_lease *l,
+				 const char *key, size_t key_len,
+				 struct kl__local_dl *d, kl_error *err);
+
+KL_HIDDEN void kl__local_dl_unregister(struct local *lp,
+				       struct kl__local_dl *d);
+/* Removes the waits record of the thread rec names if no live owner
+ * keeps it (a dead ticket's owner), when the detector lock can be had at
+ * once. */
+KL_HIDDEN void kl__local_dl_forget(struct local *lp,
+				   const struct kl__local_trec *rec);
+
+/* Ends the wait d's part in the graph (its waits record removed). */
+static inline void
+kl__local_dl_end(struct local *lp, struct kl__local_dl *d)
+{
+	if (__builtin_expect(d->wfd >= 0, 0))
+		kl__local_dl_unregister(lp, d);
+}
 
 /* local_snapshot.c */
 KL_HIDDEN int kl__local_snapshot(void *impl, kl_snapshot_fn fn, void *arg,

@@ -302,8 +302,8 @@ grant_check(uint64_t n, uint64_t fence)
 }
 
 /* What ticket n's file says, into t (known, shared, has_grant). */
-static void
-read_record(int fd, uint64_t n, struct kl__local_ticket *t)
+void
+kl__local_read_ticket(int fd, uint64_t n, struct kl__local_ticket *t)
 {
 	struct {
 		struct kl__local_trec rec;
@@ -380,11 +380,20 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 	alive = flock(fd, LOCK_SH | LOCK_NB) != 0;
 	if (alive && errno != EWOULDBLOCK)
 		t->unsure = errno;
-	if (!alive && locked)
+	if (!alive && locked) {
+		struct kl__local_ticket dead;
+
+		/* A process killed while it waited may have left its waits
+		 * record (deadlock detection): it goes with the ticket. */
+		memset(&dead, 0, sizeof dead);
+		kl__local_read_ticket(fd, n, &dead);
+		if (dead.known)
+			kl__local_dl_forget(lp, &dead.rec);
 		unlinkat(lp->dirfd, tname, 0);
+	}
 	/* Its owner wrote the record before it took the flock. */
 	if (alive)
-		read_record(fd, n, t);
+		kl__local_read_ticket(fd, n, t);
 	close(fd);
 	return alive;
 }
@@ -521,7 +530,7 @@ kl__local_own_fence(struct local *lp, struct local_lease *l,
 	char tname[KL_LOCAL_TNAME];
 
 	memset(&t, 0, sizeof t);
-	read_record(l->tfd, l->ticket, &t);
+	kl__local_read_ticket(l->tfd, l->ticket, &t);
 	if (t.has_grant && t.grant.fence <= st->fence) {
 		*fence = t.grant.fence;
 		return KL_OK;

@@ -116,6 +116,9 @@
  *   grant-recorded    its fence written in its file, the counters not
  *                     (local_queue.c)
  *   granted           the owner found its grant, queue lock held
+ *   granted-registered  the same, queue lock dropped, for a wait that
+ *                     registered for deadlock detection: its waits
+ *                     record not removed yet (local_deadlock.c)
  *   release-locked    releasing: queue lock held, nothing changed
  *   release-unlinked  releasing: ticket file removed, the queue not
  *                     processed
@@ -353,6 +356,24 @@ held_by_me(const struct kl__local_ticket *t, void *arg)
 	       t->rec.thread == me->thread;
 }
 
+/* The end of a wait chosen to break a deadlock (out of the graph
+ * already): leaves the queue as a timed-out waiter does, passing the key
+ * on if it came to us meanwhile. */
+static int
+deadlock_victim(struct local *lp, struct local_lease *l)
+{
+	if (kl__local_qlock(l->qfd, kl__deadline(RELEASE_GRACE_MS), NULL) ==
+	    KL_OK) {
+		leave(lp, l, NULL);
+	} else {
+		/* Its holder is stuck: dropping the ticket is enough. */
+		close(l->tfd);
+		close(l->qfd);
+	}
+	kl__free(l);
+	return KL_EDEADLK;
+}
+
 static int
 acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	int64_t timeout_ms, int64_t ttl_ms, unsigned flags, void **out,
@@ -363,6 +384,7 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	int64_t deadline = kl__deadline(timeout_ms);
 	char tname[KL_LOCAL_TNAME];
 	struct kl__local_qstate st;
+	struct kl__local_dl dl;
 	struct stat tst;
 	bool fresh;
 	int rc, ifd = -1;
@@ -457,6 +479,7 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 		goto fail_ticket;
 	}
 	KL_CRASH_POINT("ticket-counted");
+	kl__local_dl_init(&dl);
 	for (;;) {
 		rc = kl__local_process(lp, l->name, l->qfd, &st, l, err);
 		if (rc != KL_OK)
@@ -482,6 +505,9 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 				break;
 			KL_CRASH_POINT("granted");
 			kl__local_qunlock(l->qfd);
+			if (dl.wfd >= 0)
+				KL_CRASH_POINT("granted-registered");
+			kl__local_dl_end(lp, &dl);
 			watch_put(lp, ifd);
 			*out = l;
 			return KL_OK;
@@ -499,6 +525,14 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			ifd = watch_get(lp);
 		KL_CRASH_POINT("waiting");
 		kl__local_qunlock(l->qfd);
+		/* Deadlock detection: nothing but a clock read before the
+		 * wait has lasted deadlock_ms. */
+		if (kl__local_dl_due(&dl) &&
+		    kl__local_dl_check(lp, l, key, key_len, &dl, err) ==
+			    KL_EDEADLK) {
+			watch_put(lp, ifd);
+			return deadlock_victim(lp, l);
+		}
 		nap(ifd, deadline == KL_NO_DEADLINE
 				 ? POLL_MS
 				 : (deadline - kl__now_ns()) / 1000000 + 1);
@@ -508,6 +542,7 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 			if (rc == KL_EPROVIDER)
 				kl__local_fail_file(lp, err, "cannot lock",
 						    l->name, errno);
+			kl__local_dl_end(lp, &dl);
 			watch_put(lp, ifd);
 			close(l->tfd);
 			close(l->qfd);
@@ -520,6 +555,7 @@ acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	}
 	/* Timed out, cancelled or failed: leave, passing the key on if it
 	 * came to us meanwhile. */
+	kl__local_dl_end(lp, &dl);
 	watch_put(lp, ifd);
 	leave(lp, l, NULL);
 	kl__free(l);
@@ -692,6 +728,7 @@ local_destroy(void *impl)
 	for (int i = 0; i < lp->npool; i++)
 		close(lp->pool[i]);
 	pthread_mutex_destroy(&lp->pool_lock);
+	pthread_mutex_destroy(&lp->dl_lock);
 	close(lp->sfd);
 	close(lp->dirfd);
 	kl__free(lp->path);
@@ -757,7 +794,13 @@ kl__local_provider_open(kl_provider **out, const char *dir, kl_error *err)
 		rc = KL_ENOMEM;
 		goto fail;
 	}
+	if (pthread_mutex_init(&lp->dl_lock, NULL) != 0) {
+		pthread_mutex_destroy(&lp->pool_lock);
+		rc = KL_ENOMEM;
+		goto fail;
+	}
 	if ((rc = kl_provider_new(out, &local_ops, lp)) != KL_OK) {
+		pthread_mutex_destroy(&lp->dl_lock);
 		pthread_mutex_destroy(&lp->pool_lock);
 		goto fail;
 	}

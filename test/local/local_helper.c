@@ -25,6 +25,13 @@
  *	it) and adds one to the decimal counter in FILE.  A set that fails
  *	(a deadlock among set calls ends in KL_ETIMEDOUT after
  *	SET_TIMEOUT_MS, or in KL_EDEADLK) writes "E ..." and exits 3.
+ *   local_helper pair DIR KEY1 KEY2 MODES TIMEOUT_MS
+ *	acquires KEY1, writes "G <fence>", waits for a line on stdin (end of
+ *	file: releases and exits 0), then acquires KEY2 with TIMEOUT_MS and
+ *	writes "A <status> <message>"; releases what it holds, writes "R",
+ *	exits 0.  MODES is two letters, x (exclusive) or s (KL_SHARED), for
+ *	KEY1 and KEY2.  For deadlock detection (check_local_deadlock), with
+ *	KEYLOCK_DEADLOCK_MS in its environment.
  *
  * KL_CRASH_AT=<point> in the environment kills the helper with SIGKILL at
  * that crash point of the local provider (src/local/provider_local.c), and
@@ -66,8 +73,68 @@ usage(void)
 			"       local_helper append|sappend DIR KEY FILE "
 			"INDEX\n"
 			"       local_helper mhold|smhold DIR KEY...\n"
-			"       local_helper mcount DIR FILE ROUNDS KEY...\n");
+			"       local_helper mcount DIR FILE ROUNDS KEY...\n"
+			"       local_helper pair DIR KEY1 KEY2 MODES "
+			"TIMEOUT_MS\n");
 	return 2;
+}
+
+static kl_lock *
+lock_of(kl_provider *p, const char *key, char mode, int64_t timeout_ms)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	o.provider = p;
+	o.key = key;
+	o.timeout_ms = timeout_ms;
+	o.flags = mode == 's' ? KL_SHARED : 0;
+	return kl_lock_new(&l, &o) == KL_OK ? l : NULL;
+}
+
+/* local_helper pair (see the top). */
+static int
+pair(kl_provider *p, char **argv)
+{
+	const char *modes = argv[5];
+	char *end;
+	long long timeout = strtoll(argv[6], &end, 10);
+	kl_lock *l1, *l2;
+	kl_lease *a = NULL, *b = NULL;
+	kl_error err;
+	char buf[64];
+	ssize_t n;
+	int rc;
+
+	if (strlen(modes) != 2 || strspn(modes, "xs") != 2 || *end != '\0' ||
+	    timeout < -1)
+		return usage();
+	l1 = lock_of(p, argv[3], modes[0], HELPER_TIMEOUT_MS);
+	l2 = lock_of(p, argv[4], modes[1], timeout);
+	if (l1 == NULL || l2 == NULL) {
+		printf("E %d kl_lock_new\n", KL_ENOMEM);
+		return 3;
+	}
+	memset(&err, 0, sizeof err);
+	if ((rc = kl_lock_acquire(l1, NULL, &a, &err)) != KL_OK) {
+		printf("E %d %s\n", rc, err.message);
+		return 3;
+	}
+	printf("G %" PRIu64 "\n", kl_lease_fence(a));
+	while ((n = read(STDIN_FILENO, buf, sizeof buf)) < 0 && errno == EINTR)
+		;
+	if (n > 0) {
+		memset(&err, 0, sizeof err);
+		rc = kl_lock_acquire(l2, NULL, &b, &err);
+		printf("A %d %s\n", rc, rc == KL_OK ? "" : err.message);
+		if (rc == KL_OK)
+			kl_lease_release(b);
+	}
+	kl_lease_release(a);
+	printf("R\n");
+	kl_lock_free(l2);
+	kl_lock_free(l1);
+	return 0;
 }
 
 /* Made on grant, removed before release: 0, or -1 when another holder
@@ -242,6 +309,18 @@ main(int argc, char **argv)
 	if (argv[1][0] == 's') {
 		shared = true;
 		argv[1]++;
+	}
+	if (strcmp(argv[1], "pair") == 0 && argc == 7) {
+		setvbuf(stdout, NULL, _IONBF, 0);
+		snprintf(uri, sizeof uri, "local:%s", argv[2]);
+		memset(&err, 0, sizeof err);
+		if ((rc = kl_provider_open(&p, uri, &err)) != KL_OK) {
+			printf("E %d %s\n", rc, err.message);
+			return 3;
+		}
+		rc = pair(p, argv);
+		kl_provider_free(p);
+		return rc;
 	}
 	if (strcmp(argv[1], "hold") == 0 && argc == 4)
 		hold = true;

@@ -513,8 +513,10 @@ ledger_check(struct chaos *ch, char *why, size_t size)
 }
 
 /* The directory's files: only the secret when swept, else also queue
- * and ticket files.  Returns the number of files other than the secret,
- * or -1 with why set for a stray name. */
+ * and ticket files and the waits records of deadlock detection
+ * ("w<16 hex>.<pid>.<thread>", left by a helper killed while it waited:
+ * removed with its dead ticket).  Returns the number of files other than
+ * the secret, or -1 with why set for a stray name. */
 static int
 dir_files(struct chaos *ch, char *why, size_t size)
 {
@@ -530,6 +532,11 @@ dir_files(struct chaos *ch, char *why, size_t size)
 		if (strcmp(s, ".") == 0 || strcmp(s, "..") == 0 ||
 		    strcmp(s, "secret") == 0)
 			continue;
+		if (s[0] == 'w' && hex == 16 && s[17] == '.' &&
+		    strspn(s + 18, "0123456789.") == strlen(s + 18)) {
+			n++;
+			continue;
+		}
 		if (s[0] != 'q' || hex != 16 ||
 		    (s[17] != '\0' &&
 		     (s[17] != '.' || s[18] == '\0' ||
