@@ -874,11 +874,11 @@ kl_lease_release(kl_lease *lease)
 		if (is_solo(lease)) {
 			kl__table_release_solo_slot(solo_entry(lease));
 		} else {
-			struct klk_holder *h = lease_holder(lease);
-			klklock *lk = lease_lock(lease);
+			struct kl__holder *h = lease_holder(lease);
+			kl_lock *lk = lease_lock(lease);
 
-			klk_table_release_shared(lk->shared_table, h);
-			klk_free(h);
+			kl__table_release_shared(lk->shared_table, h);
+			kl__free(h);
 		}
 		return;
 	}
