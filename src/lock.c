@@ -351,8 +351,8 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 }
 
 /* kl_lock_acquire of a lock with a shared_table: the lease in the table
- * (see shared_lease). */
-static int
+ * (see shared_lease).  Out of line: the exclusive take keeps its frame. */
+static __attribute__((noinline)) int
 acquire_shared(kl_lock *l, const kl_call *call, const char *key, size_t len,
 	       kl_lease **out, kl_error *err)
 {
@@ -870,7 +870,14 @@ kl_lease_release(kl_lease *lease)
 
 	if (lease == NULL)
 		return;
-	if (__builtin_expect(in_table(lease) != 0, 0)) {
+	/* The most common lease first: kl_lock_acquire's in an entry,
+	 * which nothing marks. */
+	if ((lease_word(lease) & LEASE_MARKS) == 0 &&
+	    in_entry(l = lease_lock(lease))) {
+		kl__table_release(l->table, lease_entry(lease));
+		return;
+	}
+	if (in_table(lease) != 0) {
 		if (is_solo(lease)) {
 			kl__table_release_solo_slot(solo_entry(lease));
 		} else {
