@@ -308,8 +308,12 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
  * bytes a held slot stands for. */
 #define INLINE_KEY 16
 #define SLOT_SIZE (sizeof(struct kl__entry) + INLINE_KEY)
-/* A shard's slots, and after them the shard they belong to (slot_shard). */
-#define SLOTS_BYTES (SLOTS * SLOT_SIZE + sizeof(struct shard *))
+/* A shard's slots, and after them the shard they belong to (slot_shard):
+ * a slots_tail, 8-aligned as the slots are. */
+struct slots_tail {
+	struct shard *shard;
+};
+#define SLOTS_BYTES (SLOTS * SLOT_SIZE + sizeof(struct slots_tail))
 /* The state word of an entry. */
 #define E_HELD 1u    /* a holder has the key */
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
@@ -489,6 +493,14 @@ slot_at(struct kl__entry *slots, unsigned i)
 	return (struct kl__entry *)(void *)((char *)slots + i * SLOT_SIZE);
 }
 
+/* The tail of the slots that begin at slots. */
+static inline struct slots_tail *
+slots_tail_of(struct kl__entry *slots)
+{
+	return (struct slots_tail *)(void *)((char *)slots +
+					     SLOTS * SLOT_SIZE);
+}
+
 /* The shard of slot e, which holds a key (its hash stays while it is
  * held): written after the slots when they were made. */
 static inline struct shard *
@@ -496,11 +508,10 @@ slot_shard(struct kl__entry *e)
 {
 	unsigned i = kl__table_slot_of(__atomic_load_n(&e->hash,
 						       __ATOMIC_RELAXED));
-	char *slots = (char *)e - i * SLOT_SIZE;
-	struct shard *s;
 
-	memcpy(&s, slots + SLOTS * SLOT_SIZE, sizeof s);
-	return s;
+	return slots_tail_of((struct kl__entry *)(void *)((char *)e -
+							  i * SLOT_SIZE))
+		->shard;
 }
 
 /* A slot's key is read without the lock while a stealer may write it, so

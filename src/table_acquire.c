@@ -156,7 +156,7 @@ slots_of(struct shard *s)
 		return slots;
 	if ((slots = kl__calloc(1, SLOTS_BYTES)) == NULL)
 		return NULL;
-	memcpy((char *)slots + SLOTS * SLOT_SIZE, &s, sizeof s);
+	slots_tail_of(slots)->shard = s;
 	for (unsigned i = 0; i < SLOTS; i++) {
 		struct kl__entry *e = slot_at(slots, i);
 
