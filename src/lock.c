@@ -6,7 +6,9 @@
  * No internal lock is held here: events are raised from this file only, after
  * the provider call has returned, so a callback may itself take locks.
  * kl_lock_run and kl_lock_run_lease share one body (run) and keep their
- * lease on the stack or in the key's entry: they allocate nothing.
+ * lease on the stack or in the key's entry: they allocate nothing, nor
+ * does kl_lock_acquire on a memory provider when the key is free (the
+ * lease in the table: in_entry, shared_lease).
  * kl_lock_run_many goes through the same body with a key set, whose lease
  * (struct lease_set) is one allocation holding a struct kl_lease per key.
  */
@@ -23,6 +25,9 @@ struct kl_lock {
 	/* The provider's table when leases live in its entries (see
 	 * in_entry), else NULL: one load on every acquire and release. */
 	struct kl__table *table;
+	/* The same for a KL_SHARED lock whose kl_lock_acquire leases live
+	 * in the table (see shared_lease), else NULL. */
+	struct kl__table *shared_table;
 	char *key; /* NULL: each call's key */
 	size_t key_len;
 	int64_t timeout_ms;
@@ -95,6 +100,14 @@ in_entry(const kl_lock *l)
 #define LEASE_RELEASED 2u
 #define LEASE_SET 4u /* a struct lease_set */
 #define LEASE_MARKS ((uintptr_t)(LEASE_LENT | LEASE_RELEASED | LEASE_SET))
+/* The marks of a shared lease in the table (see shared_lease): no lent
+ * lease is marked LEASE_RELEASED without LEASE_LENT, so these two are
+ * free.  LEASE_IN_TABLE tells both from every other lease, LEASE_SET
+ * then the record from the slot. */
+#define LEASE_IN_TABLE LEASE_RELEASED
+#define LEASE_SOLO LEASE_RELEASED
+#define LEASE_RING (LEASE_RELEASED | LEASE_SET)
+#define SOLO_FENCE_SHIFT 3
 
 _Static_assert(_Alignof(kl_lock) > LEASE_MARKS,
 	       "a kl_lock pointer has room for the lease marks");
@@ -111,10 +124,21 @@ lease_lock(const kl_lease *lease)
 	return (kl_lock *)(lease_word(lease) & ~LEASE_MARKS);
 }
 
+/* LEASE_SOLO or LEASE_RING for a shared lease in the table, else 0. */
+static uintptr_t
+in_table(const kl_lease *lease)
+{
+	uintptr_t w = lease_word(lease);
+
+	if ((w & (LEASE_LENT | LEASE_RELEASED)) != LEASE_IN_TABLE)
+		return 0;
+	return w & LEASE_MARKS;
+}
+
 static bool
 is_set(const kl_lease *lease)
 {
-	return (lease_word(lease) & LEASE_SET) != 0;
+	return (lease_word(lease) & LEASE_SET) != 0 && !in_table(lease);
 }
 
 static struct lease_set *
@@ -127,6 +151,45 @@ static struct kl__entry *
 lease_entry(const kl_lease *lease)
 {
 	return kl__entry_of_lock((kl_lock **)(void *)(uintptr_t)lease);
+}
+
+/*
+ * A lease of kl_lock_acquire on a KL_SHARED lock without an event hook, of
+ * a memory provider (l->shared_table), lives in the table too, so that an
+ * uncontended shared take allocates nothing, as an exclusive one does:
+ * - taken by a lone holder (kl__table_acquire_solo), it is the slot's
+ *   solo word (kl__entry_solo), which keeps the fence of the grant, shifted
+ *   by SOLO_FENCE_SHIFT, under the marks LEASE_SOLO instead of a lock (no
+ *   room for both; the release needs no lock: the slot finds its shard);
+ * - else it is the lock member of the holder record the table links into
+ *   the key's ring (one allocation, which the lease through the provider
+ *   made besides its own), marked LEASE_RING.
+ * Its key is the entry's, and it ends with the release.  run() lends a
+ * lease of its stack through the provider, as before, never one of
+ * these: the marks, not the lock, say which a lease is.
+ */
+static bool
+is_solo(const kl_lease *lease)
+{
+	return in_table(lease) == LEASE_SOLO;
+}
+
+static bool
+is_ring(const kl_lease *lease)
+{
+	return in_table(lease) == LEASE_RING;
+}
+
+static struct kl__entry *
+solo_entry(const kl_lease *lease)
+{
+	return kl__entry_of_solo((kl_lock **)(void *)(uintptr_t)lease);
+}
+
+static struct kl__holder *
+lease_holder(const kl_lease *lease)
+{
+	return kl__holder_of_lock((kl_lock **)(void *)(uintptr_t)lease);
 }
 
 int
@@ -159,13 +222,14 @@ kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 	l->on_event = opts->on_event;
 	l->event_arg = opts->event_arg;
 	l->flags = opts->flags;
-	/* A shared holder has no room in the key's entry: its lease is a
-	 * holder record the memory provider allocates (see
-	 * provider_memory.c), so a KL_SHARED lock goes through the
-	 * provider. */
+	/* A shared holder's lease is the slot's solo word or a holder
+	 * record (see shared_lease), not the entry's lock word. */
 	l->table = l->on_event == NULL && !(l->flags & KL_SHARED)
 			   ? l->provider->table
 			   : NULL;
+	l->shared_table = l->on_event == NULL && (l->flags & KL_SHARED)
+				  ? l->provider->table
+				  : NULL;
 	*out = l;
 	return KL_OK;
 }
@@ -279,6 +343,51 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 	}
 	*kl__entry_lock(e) = (kl_lock *)((uintptr_t)l | marks);
 	*out = (kl_lease *)(void *)kl__entry_lock(e);
+	if (err != NULL) {
+		err->status = KL_OK;
+		err->message[0] = '\0';
+	}
+	return KL_OK;
+}
+
+/* kl_lock_acquire of a lock with a shared_table: the lease in the table
+ * (see shared_lease).  Out of line: the exclusive take keeps its frame. */
+static __attribute__((noinline)) int
+acquire_shared(kl_lock *l, const kl_call *call, const char *key, size_t len,
+	       kl_lease **out, kl_error *err)
+{
+	kl_cancel *cancel = call != NULL ? call->cancel : NULL;
+	struct kl__holder *h;
+	struct kl__entry *e;
+	uint64_t fence;
+	int rc;
+
+	/* Without a token (one fired must fail even on a free key), as the
+	 * provider does. */
+	if (cancel == NULL &&
+	    kl__table_acquire_solo(l->shared_table, key, len, &e, &fence)) {
+		kl_lock **w = kl__entry_solo(e);
+
+		*w = (kl_lock *)(uintptr_t)((fence << SOLO_FENCE_SHIFT) |
+					    LEASE_SOLO);
+		*out = (kl_lease *)(void *)w;
+		goto granted;
+	}
+	if ((h = kl__malloc(sizeof *h)) == NULL) {
+		kl__error_set(err, KL_ENOMEM, "out of memory for the lease");
+		return KL_ENOMEM;
+	}
+	rc = kl__table_acquire_shared(l->shared_table, key, len,
+				      kl__deadline(l->timeout_ms), cancel,
+				      l->flags, h, &fence);
+	if (rc != KL_OK) {
+		kl__free(h);
+		rejected(l, key, len, rc, "", err);
+		return rc;
+	}
+	h->lock = (kl_lock *)((uintptr_t)l | LEASE_RING);
+	*out = (kl_lease *)(void *)&h->lock;
+granted:
 	if (err != NULL) {
 		err->status = KL_OK;
 		err->message[0] = '\0';
@@ -716,6 +825,8 @@ kl_lock_acquire(kl_lock *l, const kl_call *call, kl_lease **out,
 		return rc;
 	if (in_entry(l))
 		return acquire_in_entry(l, call, key, len, 0, out, err);
+	if (l->shared_table != NULL)
+		return acquire_shared(l, call, key, len, out, err);
 	/* The call's key may not outlive the call: the lease keeps a copy,
 	 * made first so that nothing can fail once the key is held. */
 	if (len > SIZE_MAX - sizeof *lease - 1 ||
@@ -765,6 +876,25 @@ kl_lease_release(kl_lease *lease)
 
 	if (lease == NULL)
 		return;
+	/* The most common lease first: kl_lock_acquire's in an entry,
+	 * which nothing marks. */
+	if ((lease_word(lease) & LEASE_MARKS) == 0 &&
+	    in_entry(l = lease_lock(lease))) {
+		kl__table_release(l->table, lease_entry(lease));
+		return;
+	}
+	if (in_table(lease) != 0) {
+		if (is_solo(lease)) {
+			kl__table_release_solo_slot(solo_entry(lease));
+		} else {
+			struct kl__holder *h = lease_holder(lease);
+			kl_lock *lk = lease_lock(lease);
+
+			kl__table_release_shared(lk->shared_table, h);
+			kl__free(h);
+		}
+		return;
+	}
 	l = lease_lock(lease);
 	if (lent_release(lease, l))
 		return;
@@ -785,6 +915,10 @@ kl_lease_fence(const kl_lease *lease)
 {
 	if (lease == NULL)
 		return 0;
+	if (is_solo(lease))
+		return (uint64_t)(lease_word(lease) >> SOLO_FENCE_SHIFT);
+	if (is_ring(lease))
+		return lease_holder(lease)->fence;
 	if (is_set(lease))
 		return set_of(lease)->held[0].fence;
 	if (in_entry(lease_lock(lease)))
@@ -799,6 +933,8 @@ kl_lease_valid(const kl_lease *lease)
 
 	if (lease == NULL)
 		return false;
+	if (in_table(lease))
+		return true; /* a memory lease is never lost */
 	p = lease_lock(lease)->provider;
 	if (is_set(lease)) {
 		const struct lease_set *s = set_of(lease);
@@ -819,6 +955,10 @@ kl_lease_key(const kl_lease *lease)
 {
 	if (lease == NULL)
 		return NULL;
+	if (is_solo(lease))
+		return kl__entry_key(solo_entry(lease));
+	if (is_ring(lease))
+		return kl__entry_key(lease_holder(lease)->entry);
 	if (is_set(lease))
 		return set_of(lease)->held[0].key;
 	if (in_entry(lease_lock(lease)))

@@ -8,7 +8,10 @@
  * A lease is the key's entry (an exclusive holder, or a lone shared one
  * that took a free key without the lock: SOLO_LEASE), or a shared holder's
  * record, allocated here (SHARED_LEASE); the low bits of the handle tell
- * them apart (both are at least 8-byte aligned).
+ * them apart (both are at least 8-byte aligned).  kl_lock_acquire of a
+ * KL_SHARED lock without an event hook keeps its lease in the table
+ * itself and calls the table directly (see lock.c, shared_lease); the
+ * leases here are those of kl_lock_run and of locks with a hook.
  */
 #include "config.h"
 

@@ -46,7 +46,13 @@ struct kl__holder {
  * only while it is alone: whoever joins it marks the word E_WAITERS first,
  * so that the word changes under the lock only from then on. */
 struct kl__entry {
-	struct kl__entry *next; /* bucket chain */
+	union {
+		struct kl__entry *next; /* bucket chain (chained entries) */
+		/* A slot (never chained) held by a lone shared holder
+		 * (E_SOLO): a word for that holder's use until it gives
+		 * the key back (kl__entry_solo). */
+		kl_lock *solo;
+	};
 	uint32_t hash;          /* the key's hash >> 32: shard and bucket */
 	uint32_t len;           /* key bytes */
 	struct kl__waitq q;
@@ -128,6 +134,9 @@ KL_HIDDEN bool kl__table_acquire_solo(struct kl__table *t, const char *key,
 				      uint64_t *fence);
 KL_HIDDEN void kl__table_release_solo(struct kl__table *t,
 				      struct kl__entry *e);
+/* kl__table_release_solo for a caller that no longer knows the table:
+ * the slot finds its shard itself. */
+KL_HIDDEN void kl__table_release_solo_slot(struct kl__entry *e);
 /* Calls fn once per holder and waiter of every key, as
  * kl_provider_snapshot says, with no lock held: each shard's entries are
  * copied under its lock first.  KL_OK or KL_ENOMEM. */
@@ -163,6 +172,34 @@ kl__entry_of_lock(kl_lock **word)
 	return (struct kl__entry *)(void *)((char *)word -
 					    offsetof(struct kl__entry, lock));
 }
+/* The word of the lone shared holder of slot e (kl__table_acquire_solo),
+ * for its use until it releases: the union word of the entry may hold the
+ * ring of those who join it, and the fence in the state word moves with
+ * their grants (lock.c keeps the fence of the lone holder's grant here,
+ * so that its lease needs no allocation).  kl__entry_of_solo is the
+ * inverse. */
+static inline kl_lock **
+kl__entry_solo(struct kl__entry *e)
+{
+	return &e->solo;
+}
+
+static inline struct kl__entry *
+kl__entry_of_solo(kl_lock **word)
+{
+	return (struct kl__entry *)(void *)((char *)word -
+					    offsetof(struct kl__entry, solo));
+}
+
+/* The holder record whose lock member is word (the inverse of
+ * &h->lock). */
+static inline struct kl__holder *
+kl__holder_of_lock(kl_lock **word)
+{
+	return (struct kl__holder *)(void *)((char *)word -
+					     offsetof(struct kl__holder, lock));
+}
+
 /* Hands the key to the next waiter, or leaves the entry idle or frees it
  * when none waits. */
 KL_HIDDEN void kl__table_release(struct kl__table *t, struct kl__entry *e);
@@ -271,6 +308,12 @@ KL_HIDDEN void kl__table_skew(struct kl__table *t, long delta);
  * bytes a held slot stands for. */
 #define INLINE_KEY 16
 #define SLOT_SIZE (sizeof(struct kl__entry) + INLINE_KEY)
+/* A shard's slots, and after them the shard they belong to (slot_shard):
+ * a slots_tail, 8-aligned as the slots are. */
+struct slots_tail {
+	struct shard *shard;
+};
+#define SLOTS_BYTES (SLOTS * SLOT_SIZE + sizeof(struct slots_tail))
 /* The state word of an entry. */
 #define E_HELD 1u    /* a holder has the key */
 #define E_WAITERS 2u /* a waiter may be queued: release under the lock */
@@ -448,6 +491,27 @@ static inline struct kl__entry *
 slot_at(struct kl__entry *slots, unsigned i)
 {
 	return (struct kl__entry *)(void *)((char *)slots + i * SLOT_SIZE);
+}
+
+/* The tail of the slots that begin at slots. */
+static inline struct slots_tail *
+slots_tail_of(struct kl__entry *slots)
+{
+	return (struct slots_tail *)(void *)((char *)slots +
+					     SLOTS * SLOT_SIZE);
+}
+
+/* The shard of slot e, which holds a key (its hash stays while it is
+ * held): written after the slots when they were made. */
+static inline struct shard *
+slot_shard(struct kl__entry *e)
+{
+	unsigned i = kl__table_slot_of(__atomic_load_n(&e->hash,
+						       __ATOMIC_RELAXED));
+
+	return slots_tail_of((struct kl__entry *)(void *)((char *)e -
+							  i * SLOT_SIZE))
+		->shard;
 }
 
 /* A slot's key is read without the lock while a stealer may write it, so

@@ -154,8 +154,9 @@ slots_of(struct shard *s)
 
 	if (slots != NULL)
 		return slots;
-	if ((slots = kl__calloc(SLOTS, SLOT_SIZE)) == NULL)
+	if ((slots = kl__calloc(1, SLOTS_BYTES)) == NULL)
 		return NULL;
+	slots_tail_of(slots)->shard = s;
 	for (unsigned i = 0; i < SLOTS; i++) {
 		struct kl__entry *e = slot_at(slots, i);
 
@@ -436,8 +437,8 @@ mark_waiting(struct kl__entry *e, uint64_t st)
  * (E_SOLO, owner_tid).  A lone holder is what makes an uncontended shared
  * take as cheap as an exclusive one (with the whole take under the lock
  * and a record, kl_lock_acquire + release cost 3.4 times an exclusive
- * pair; lone, 1.6 times, the rest being the lease kl_lock_acquire
- * allocates for a shared lock): a free key of a slot is taken shared by
+ * pair; lone, with the lease in the slot's solo word, about as much as
+ * one): a free key of a slot is taken shared by
  * compare-and-swap, E_HELD | E_SOLO, and given back the same way while
  * nobody joined it.  Whoever joins it, or queues behind it, does so under
  * the lock and marks the word E_WAITERS first (mark_waiting), so that from
@@ -943,9 +944,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 }
 
 /* Gives back slot e, held by the caller (exclusively, or alone and shared:
- * mode E_SOLO), by compare-and-swap while no mark asks for the lock. */
-static inline __attribute__((always_inline)) void
-release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
+ * mode E_SOLO), by compare-and-swap while no mark asks for the lock: true;
+ * false when the caller must release it under the lock. */
+static inline __attribute__((always_inline)) bool
+release_cas(struct kl__entry *e, uint64_t mode)
 {
 	uint64_t st = state_of(e, memory_order_relaxed);
 
@@ -964,10 +966,17 @@ release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
 		if (atomic_compare_exchange_weak_explicit(
 			    &e->state, &st, st & ~(uint64_t)(E_HELD | mode),
 			    memory_order_release, memory_order_relaxed))
-			return;
-	release_locked(shard_of(t, __atomic_load_n(&e->hash,
-						   __ATOMIC_RELAXED)),
-		       e, NULL, mode != 0);
+			return true;
+	return false;
+}
+
+static inline __attribute__((always_inline)) void
+release_mode(struct kl__table *t, struct kl__entry *e, uint64_t mode)
+{
+	if (!release_cas(e, mode))
+		release_locked(shard_of(t, __atomic_load_n(&e->hash,
+							   __ATOMIC_RELAXED)),
+			       e, NULL, mode != 0);
 }
 
 void
@@ -992,6 +1001,15 @@ void
 kl__table_release_solo(struct kl__table *t, struct kl__entry *e)
 {
 	release_mode(t, e, E_SOLO);
+}
+
+void
+kl__table_release_solo_slot(struct kl__entry *e)
+{
+	/* Only slots are taken by a lone holder (kl__table_acquire_solo). */
+	KL_ASSERT(state_of(e, memory_order_relaxed) & E_SLOT);
+	if (!release_cas(e, E_SOLO))
+		release_locked(slot_shard(e), e, NULL, true);
 }
 
 void

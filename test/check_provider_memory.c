@@ -1200,6 +1200,254 @@ START_TEST(test_shared_lone_holder)
 }
 END_TEST
 
+/* The lease of kl_lock_acquire with KL_SHARED lives in the table, as an
+ * exclusive one does: a lone holder of a free short key allocates
+ * nothing, and its lease still says its key, its fence and its count. */
+START_TEST(test_shared_lease_no_allocation)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh;
+	kl_call call = { .key = "sh:na", .cancel = NULL };
+	kl_lease *a = NULL;
+	uint64_t last = 0;
+	long allocs;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ck_assert_int_eq(run_once(p, "sh:na"), KL_OK); /* makes the slot */
+	(void)kl__test_fail_alloc_at(0);
+	for (int i = 0; i < 20; i++) {
+		ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+		ck_assert_str_eq(kl_lease_key(a), "sh:na");
+		ck_assert_uint_gt(kl_lease_fence(a), last);
+		last = kl_lease_fence(a);
+		ck_assert(kl_lease_valid(a));
+		ck_assert_uint_eq(kl_lease_count(a), 1);
+		ck_assert_str_eq(kl_lease_key_at(a, 0), "sh:na");
+		ck_assert_uint_eq(kl_lease_fence_at(a, 0), last);
+		ck_assert_ptr_null(kl_lease_key_at(a, 1));
+		assert_status(p, "sh:na", 1, 0);
+		kl_lease_release(a);
+	}
+	allocs = kl__test_fail_alloc_at(0);
+	ck_assert_int_eq(allocs, 0);
+	assert_status(p, "sh:na", 0, 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(sh);
+	kl_provider_free(p);
+}
+END_TEST
+
+#define COME_GO 40
+
+/* A lone holder keeps the fence of its own grant while many shared
+ * holders come and go beside it (the key's fence moves with each of
+ * theirs); each of them costs one allocation, its holder record; a
+ * newcomer does not pass a writer queued behind them all, and the lone
+ * holder's release, last, hands the key to the writer. */
+START_TEST(test_shared_many_come_and_go)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = "sh:cg", .cancel = NULL };
+	kl_lease *a = NULL, *b[COME_GO] = { NULL }, *t = NULL;
+	uint64_t fa, fb[COME_GO], last;
+	struct req x;
+	long allocs;
+	int i;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, KL_FOREVER);
+	ck_assert_int_eq(run_once(p, "sh:cg"), KL_OK); /* makes the slot */
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	fa = last = kl_lease_fence(a);
+	(void)kl__test_fail_alloc_at(0);
+	for (int round = 0; round < 3; round++) {
+		for (i = 0; i < COME_GO; i++) {
+			ck_assert_int_eq(kl_lock_acquire(sh, &call, &b[i],
+							 NULL),
+					 KL_OK);
+			fb[i] = kl_lease_fence(b[i]);
+			ck_assert_uint_gt(fb[i], last);
+			last = fb[i];
+		}
+		assert_status(p, "sh:cg", COME_GO + 1, 0);
+		ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+		/* Every other one first, then the rest backwards. */
+		for (i = 0; i < COME_GO; i += 2)
+			kl_lease_release(b[i]);
+		for (i = COME_GO - 1; i > 0; i -= 2) {
+			ck_assert_uint_eq(kl_lease_fence(b[i]), fb[i]);
+			ck_assert_str_eq(kl_lease_key(b[i]), "sh:cg");
+			if (i > 2)
+				kl_lease_release(b[i]);
+		}
+		ck_assert_uint_eq(kl_lease_fence(a), fa);
+		ck_assert_str_eq(kl_lease_key(a), "sh:cg");
+		assert_status(p, "sh:cg", 2, 0);
+		kl_lease_release(b[1]);
+		ck_assert_uint_eq(kl_lease_fence(a), fa);
+		assert_status(p, "sh:cg", 1, 0);
+	}
+	allocs = kl__test_fail_alloc_at(0);
+	ck_assert_int_eq(allocs, 3 * COME_GO);
+	/* Two more beside it, and a writer behind them. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b[0], NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b[1], NULL), KL_OK);
+	req_start(&x, ex, "sh:cg", NULL);
+	wait_status(p, "sh:cg", 3, 1);
+	/* Strict FIFO: a reader does not pass the queued writer. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &t, NULL), KL_ETIMEDOUT);
+	ck_assert_ptr_null(t);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(b[1]);
+	kl_lease_release(b[0]);
+	assert_status(p, "sh:cg", 1, 1);
+	ck_assert_uint_eq(kl_lease_fence(a), fa);
+	kl_lease_release(a);
+	test_poll(req_holds, &x, "the writer to get the key");
+	ck_assert_uint_gt(x.fence, last);
+	req_end(&x);
+	ck_assert_int_eq(x.rc, KL_OK);
+	assert_status(p, "sh:cg", 0, 0);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* Whether a shared take of key on l, made twice in a row while another
+ * key is held, allocates both times: key's slot is the held key's, so
+ * it goes to a chain (a new shard's first take allocates once, for the
+ * slots, and then no more). */
+static bool
+takes_chained(kl_lock *l, const char *key)
+{
+	kl_call call = { .key = key, .cancel = NULL };
+	kl_lease *t = NULL;
+	long n = 0;
+
+	for (int i = 0; i < 2; i++) {
+		(void)kl__test_fail_alloc_at(0);
+		ck_assert_int_eq(kl_lock_acquire(l, &call, &t, NULL), KL_OK);
+		kl_lease_release(t);
+		n = kl__test_fail_alloc_at(0);
+	}
+	return n > 0;
+}
+
+/* A slot whose lone shared holder left is reused by another key, itself
+ * taken shared by a lone holder: the leases in the slot and in the chains
+ * say their own key and fence throughout, and the slot's first key,
+ * chained meanwhile, keeps its fences growing. */
+START_TEST(test_shared_lease_slot_reused)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call c1 = { .key = "sh:r1", .cancel = NULL };
+	kl_call c2 = { .key = NULL, .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL, *c = NULL, *d = NULL;
+	char k2[32];
+	uint64_t fa, fb, fc, fd;
+	int i;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, 0);
+	ck_assert_int_eq(run_once(p, "sh:r1"), KL_OK); /* makes the slot */
+	ck_assert_int_eq(kl_lock_acquire(sh, &c1, &a, NULL), KL_OK);
+	/* A key of sh:r1's slot: 4 slots in 64 shards, so one in 256 keys
+	 * on average; a hash that spread none there in 100000 is broken. */
+	for (i = 0; i < 100000; i++) {
+		snprintf(k2, sizeof k2, "sh:r2-%d", i);
+		if (takes_chained(sh, k2))
+			break;
+	}
+	ck_assert_int_lt(i, 100000);
+	c2.key = k2;
+	fa = kl_lease_fence(a);
+	ck_assert_int_eq(kl_lock_acquire(sh, &c2, &b, NULL), KL_OK);
+	fb = kl_lease_fence(b);
+	ck_assert_str_eq(kl_lease_key(a), "sh:r1");
+	ck_assert_str_eq(kl_lease_key(b), k2);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(a);
+	/* sh:r1 idle in its slot, taken again exclusively. */
+	ck_assert_int_eq(kl_lock_acquire(ex, &c1, &a, NULL), KL_OK);
+	ck_assert_uint_gt(kl_lease_fence(a), fa);
+	fa = kl_lease_fence(a);
+	kl_lease_release(a);
+	ck_assert_str_eq(kl_lease_key(b), k2);
+	ck_assert_uint_eq(kl_lease_fence(b), fb);
+	kl_lease_release(b);
+	/* The chain gone, k2 takes the slot over, a lone holder in the very
+	 * word the lease of sh:r1 was. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &c2, &c, NULL), KL_OK);
+	fc = kl_lease_fence(c);
+	ck_assert_uint_gt(fc, fb);
+	ck_assert_str_eq(kl_lease_key(c), k2);
+	/* sh:r1 now goes to a chain, above every fence it had. */
+	ck_assert_int_eq(kl_lock_acquire(sh, &c1, &d, NULL), KL_OK);
+	fd = kl_lease_fence(d);
+	ck_assert_uint_gt(fd, fa);
+	ck_assert_str_eq(kl_lease_key(d), "sh:r1");
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lease_release(c);
+	ck_assert_str_eq(kl_lease_key(d), "sh:r1");
+	ck_assert_uint_eq(kl_lease_fence(d), fd);
+	assert_status(p, "sh:r1", 1, 0);
+	assert_status(p, k2, 0, 0);
+	kl_lease_release(d);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
+/* A shared lease may be given back by another thread than the one that
+ * took it, lone or in the ring. */
+static void *
+release_elsewhere(void *arg)
+{
+	kl_lease_release(arg);
+	return NULL;
+}
+
+START_TEST(test_shared_lease_released_elsewhere)
+{
+	kl_provider *p = NULL;
+	kl_lock *sh, *ex;
+	kl_call call = { .key = "sh:el", .cancel = NULL };
+	kl_lease *a = NULL, *b = NULL, *t = NULL;
+	pthread_t th;
+
+	ck_assert_int_eq(kl_memory_provider_new(&p), KL_OK);
+	sh = mode_lock(p, KL_SHARED, 0);
+	ex = mode_lock(p, 0, 0);
+	ck_assert_int_eq(run_once(p, "sh:el"), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &a, NULL), KL_OK);
+	ck_assert_int_eq(kl_lock_acquire(sh, &call, &b, NULL), KL_OK);
+	test_thread_start(&th, release_elsewhere, a);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	assert_status(p, "sh:el", 1, 0);
+	test_thread_start(&th, release_elsewhere, b);
+	ck_assert_int_eq(pthread_join(th, NULL), 0);
+	assert_status(p, "sh:el", 0, 0);
+	ck_assert_int_eq(kl_lock_acquire(ex, &call, &t, NULL), KL_OK);
+	kl_lease_release(t);
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	ck_assert_int_eq(kl__test_check_invariants(p), KL_OK);
+	kl_lock_free(sh);
+	kl_lock_free(ex);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* kl_lock_run and a key set with KL_SHARED on the memory provider: the
  * function runs while another reader holds every key. */
 static int
@@ -1470,6 +1718,10 @@ provider_memory_suite(void)
 	tcase_add_test(tc, test_shared_try_once_and_fences);
 	tcase_add_test(tc, test_shared_errorcheck);
 	tcase_add_test(tc, test_shared_lone_holder);
+	tcase_add_test(tc, test_shared_lease_no_allocation);
+	tcase_add_test(tc, test_shared_many_come_and_go);
+	tcase_add_test(tc, test_shared_lease_slot_reused);
+	tcase_add_test(tc, test_shared_lease_released_elsewhere);
 	tcase_add_test(tc, test_shared_run_and_sets);
 	tcase_add_test(tc, test_snapshot_known_states);
 	tcase_add_test(tc, test_snapshot_fn_may_lock);
