@@ -243,28 +243,43 @@ kl__local_dl_forget(struct local *lp, const char *qname, uint64_t n,
 	struct stat st;
 	int fd;
 
-	/* Not under the detector lock: a walk holding it (maybe in a
-	 * stopped process) would make us leave the record, and nothing
-	 * would look for it again but a later long wait's sweep.  Only a
-	 * record that names this dead ticket goes, and none being made
-	 * does: a live thread whose ticket died (it gave up) makes a new
-	 * one for a live ticket, and has written nothing in it before it
-	 * could be read. */
 	waits_name(name, sizeof name, &u);
 	fd = openat(lp->dirfd, name,
 		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
 	if (fd < 0)
 		return;
-	if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) &&
-	    st.st_uid == geteuid() && st.st_nlink == 1 &&
-	    pread(fd, &r, sizeof r, 0) == (ssize_t)sizeof r &&
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+	    st.st_uid != geteuid() || st.st_nlink != 1) {
+		close(fd);
+		return;
+	}
+	/* One that names this dead ticket goes without the detector lock:
+	 * a walk holding it (maybe in a stopped process) would make us
+	 * leave the record, and nothing but a later long wait's sweep would
+	 * look for it again.  No record being made names it: a live thread
+	 * whose ticket died (it gave up) makes one for a live ticket. */
+	if (pread(fd, &r, sizeof r, 0) == (ssize_t)sizeof r &&
 	    r.magic == KL_LOCAL_WAITS_MAGIC && r.pid == u.pid &&
 	    r.nonce == u.nonce && r.thread == u.thread && r.ticket == n &&
 	    r.since_us == rec->since_us &&
-	    strncmp(r.qname, qname, sizeof r.qname) == 0 &&
-	    flock(fd, LOCK_SH | LOCK_NB) == 0)
-		unlink_same(lp, name, &st);
+	    strncmp(r.qname, qname, sizeof r.qname) == 0) {
+		if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+			unlink_same(lp, name, &st);
+		close(fd);
+		return;
+	}
 	close(fd);
+	/* Another (its owner killed before it wrote it, or a live owner's
+	 * next wait's), only under the detector lock, as records are
+	 * made. */
+	if (pthread_mutex_trylock(&lp->dl_lock) != 0)
+		return;
+	if (flock(lp->sfd, LOCK_EX | LOCK_NB) == 0) {
+		if ((fd = waits_open(lp, name)) >= 0)
+			close(fd);
+		flock(lp->sfd, LOCK_UN);
+	}
+	pthread_mutex_unlock(&lp->dl_lock);
 }
 
 /* Makes l's waits record, flocked (detector lock held).  0 or -1. */

@@ -231,8 +231,9 @@ KL_HIDDEN int kl__local_dl_check(struct local *lp,
 
 KL_HIDDEN void kl__local_dl_unregister(struct local *lp,
 				       struct kl__local_dl *d);
-/* Removes the waits record of the thread rec names if it names rec's
- * ticket n of qname, now dead, and no live owner keeps it. */
+/* Removes the waits record of the thread rec names, whose ticket n of
+ * qname is dead, if no live owner keeps it: at once when it names that
+ * ticket, else when the detector lock can be had at once. */
 KL_HIDDEN void kl__local_dl_forget(struct local *lp, const char *qname,
 				   uint64_t n,
 				   const struct kl__local_trec *rec);
