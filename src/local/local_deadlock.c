@@ -30,8 +30,10 @@
  * the directory keeps open (a flock belongs to an open file, which a
  * provider's threads share, so they also take the provider's dl_lock).
  * When another walks, the check is tried again at the next look.  A
- * waits record is made under it, and a dead owner's removed under it, so
- * that no walk meets a record being made; a victim removes and closes its
+ * waits record is made under it, and one found unflocked removed under
+ * it (but one that names the dead ticket its ticket file's remover found,
+ * which no wait is making), so that no walk meets a record being made
+ * and no record being made is taken for a dead one's; a victim removes and closes its
  * own record before dropping it.  So a later walk never sees a victim's
  * edge (it leaves its queue right after, as a timed-out waiter does), and
  * the cycle it closed is broken for every other member: one victim per
@@ -232,18 +234,47 @@ sweep(struct local *lp)
 }
 
 void
-kl__local_dl_forget(struct local *lp, const struct kl__local_trec *rec)
+kl__local_dl_forget(struct local *lp, const char *qname, uint64_t n,
+		    const struct kl__local_trec *rec)
 {
 	struct who u = { rec->pid, rec->nonce, rec->thread };
 	char name[KL_LOCAL_WNAME];
+	struct kl__local_wrec r;
+	struct stat st;
 	int fd;
 
-	/* Under the detector lock, as records are made: a live thread
-	 * whose ticket died (it gave up) may be making a new one. */
+	waits_name(name, sizeof name, &u);
+	fd = openat(lp->dirfd, name,
+		    O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+	if (fd < 0)
+		return;
+	if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) ||
+	    st.st_uid != geteuid() || st.st_nlink != 1) {
+		close(fd);
+		return;
+	}
+	/* One that names this dead ticket goes without the detector lock:
+	 * a walk holding it (maybe in a stopped process) would make us
+	 * leave the record, and nothing but a later long wait's sweep would
+	 * look for it again.  No record being made names it: a live thread
+	 * whose ticket died (it gave up) makes one for a live ticket. */
+	if (pread(fd, &r, sizeof r, 0) == (ssize_t)sizeof r &&
+	    r.magic == KL_LOCAL_WAITS_MAGIC && r.pid == u.pid &&
+	    r.nonce == u.nonce && r.thread == u.thread && r.ticket == n &&
+	    r.since_us == rec->since_us &&
+	    strncmp(r.qname, qname, sizeof r.qname) == 0) {
+		if (flock(fd, LOCK_SH | LOCK_NB) == 0)
+			unlink_same(lp, name, &st);
+		close(fd);
+		return;
+	}
+	close(fd);
+	/* Another (its owner killed before it wrote it, or a live owner's
+	 * next wait's), only under the detector lock, as records are
+	 * made. */
 	if (pthread_mutex_trylock(&lp->dl_lock) != 0)
 		return;
 	if (flock(lp->sfd, LOCK_EX | LOCK_NB) == 0) {
-		waits_name(name, sizeof name, &u);
 		if ((fd = waits_open(lp, name)) >= 0)
 			close(fd);
 		flock(lp->sfd, LOCK_UN);

@@ -231,10 +231,11 @@ KL_HIDDEN int kl__local_dl_check(struct local *lp,
 
 KL_HIDDEN void kl__local_dl_unregister(struct local *lp,
 				       struct kl__local_dl *d);
-/* Removes the waits record of the thread rec names if no live owner
- * keeps it (a dead ticket's owner), when the detector lock can be had at
- * once. */
-KL_HIDDEN void kl__local_dl_forget(struct local *lp,
+/* Removes the waits record of the thread rec names, whose ticket n of
+ * qname is dead, if no live owner keeps it: at once when it names that
+ * ticket, else when the detector lock can be had at once. */
+KL_HIDDEN void kl__local_dl_forget(struct local *lp, const char *qname,
+				   uint64_t n,
 				   const struct kl__local_trec *rec);
 
 /* Ends the wait d's part in the graph (its waits record removed). */

@@ -388,7 +388,7 @@ ticket_look(struct local *lp, const char *qname, uint64_t n, bool locked,
 		memset(&dead, 0, sizeof dead);
 		kl__local_read_ticket(fd, n, &dead);
 		if (dead.known)
-			kl__local_dl_forget(lp, &dead.rec);
+			kl__local_dl_forget(lp, qname, n, &dead.rec);
 		unlinkat(lp->dirfd, tname, 0);
 	}
 	/* Its owner wrote the record before it took the flock. */

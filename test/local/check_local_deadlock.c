@@ -865,6 +865,44 @@ START_TEST(test_dead_waiter_record)
 }
 END_TEST
 
+/* The waits record of a process killed while it waited goes with its
+ * dead ticket even when the detector lock is taken at that moment (by a
+ * walk of another process, which may be stopped: here the test holds the
+ * secret's flock): else it would stay, as nothing but a later long wait
+ * would look for it again.  P1 holds A and waits for B, which this thread
+ * holds; P1 is killed; B's release finds its dead ticket. */
+START_TEST(test_dead_waiter_record_locked)
+{
+	kl_provider *p = open_dir();
+	struct test_helper h1;
+	struct hold b, a2;
+	char dl[16], path[PATH_MAX + 128];
+	int lfd;
+
+	snprintf(dl, sizeof dl, "%d", DL_MS);
+	take_ok(p, "ld:b", 0, &b);
+	pair_start(&h1, "ld:a", "ld:b", "xx", PAIR_TIMEOUT_MS, dl);
+	go(&h1);
+	for (int polls = 0; waits_records() < 1; polls++) {
+		ck_assert_msg(polls < HANG_GUARD_MS / 10, "no record of P1");
+		test_sleep_ms(10);
+	}
+	test_helper_kill(&h1);
+	test_helper_close(&h1);
+	snprintf(path, sizeof path, "%s/%s", g_dir, SECRET_NAME);
+	lfd = open(path, O_RDONLY | O_CLOEXEC);
+	ck_assert_int_ge(lfd, 0);
+	ck_assert_int_eq(flock(lfd, LOCK_EX | LOCK_NB), 0);
+	drop(&b);
+	test_assert_status(p, "ld:b", 0, 0);
+	ck_assert_int_eq(waits_records(), 0);
+	close(lfd);
+	take_ok(p, "ld:a", 0, &a2);
+	drop(&a2);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* Waits records planted under the name of a live holder that waits for
  * nothing, each of which, believed, would close a cycle: this thread
  * holds B shared and waits for A, held by helper H; W, a thread here,
@@ -1036,6 +1074,7 @@ local_deadlock_suite(void)
 	tcase_add_test(tc, test_chain_busy_holder);
 	tcase_add_test(tc, test_detection_off);
 	tcase_add_test(tc, test_dead_waiter_record);
+	tcase_add_test(tc, test_dead_waiter_record_locked);
 	tcase_add_test(tc, test_planted_records);
 	tcase_add_test(tc, test_stopped_after_grant);
 	return s;
