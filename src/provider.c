@@ -88,9 +88,15 @@ kl_provider_snapshot(kl_provider *p, kl_snapshot_fn fn, void *arg,
 void
 kl_provider_free(kl_provider *p)
 {
+	int cs;
+
 	if (p == NULL || p->shared)
 		return;
+	/* A cancel acted on in a destroy (a thread joined, a socket or
+	 * lock file closed) would leave the provider half freed. */
+	cs = kl__cancel_off();
 	if (p->ops.destroy != NULL)
 		p->ops.destroy(p->impl);
 	kl__free(p);
+	kl__cancel_restore(cs);
 }

@@ -164,10 +164,17 @@ kl_provider_open(kl_provider **out, const char *uri, kl_error *err)
 	}
 	for (size_t i = 0; i < sizeof schemes / sizeof schemes[0]; i++) {
 		const struct scheme *s = &schemes[i];
+		int rc, cs;
 
-		if (s->whole ? strcasecmp(uri, s->prefix) == 0
-			     : has_prefix(uri, s->prefix))
-			return s->open(s, out, uri, err);
+		if (!(s->whole ? strcasecmp(uri, s->prefix) == 0
+			       : has_prefix(uri, s->prefix)))
+			continue;
+		/* Opening connects, loads a library and opens files: a
+		 * cancel acted on there would leak what was made so far. */
+		cs = kl__cancel_off();
+		rc = s->open(s, out, uri, err);
+		kl__cancel_restore(cs);
+		return rc;
 	}
 	kl__error_set(err, KL_EINVAL,
 		      "unknown provider URI scheme (expected memory:, local:, "

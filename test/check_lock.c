@@ -1286,6 +1286,60 @@ START_TEST(test_cancel_waits_for_provider_call)
 }
 END_TEST
 
+/* kl_provider_open and kl_provider_free of a local: provider, with a
+ * cancel already pending: opening opens files and freeing closes them,
+ * both cancellation points, where the thread was unwound with the
+ * provider half made or half freed.  Both must return; the cancel then
+ * acts at the thread's own testcancel. */
+struct cof {
+	const char *uri;
+	int rc;
+	atomic_bool opened, freed;
+};
+
+static void *
+cof_main(void *arg)
+{
+	struct cof *c = arg;
+	kl_provider *p = NULL;
+
+	pthread_cancel(pthread_self());
+	c->rc = kl_provider_open(&p, c->uri, NULL);
+	atomic_store(&c->opened, true);
+	kl_provider_free(p);
+	atomic_store(&c->freed, true);
+	for (;;)
+		pthread_testcancel();
+	return NULL;
+}
+
+START_TEST(test_cancel_pending_open_free)
+{
+	char dir[] = "/tmp/kl-cof.XXXXXX", uri[96], sub[64];
+	struct cof c;
+	pthread_t th;
+	void *ret = NULL;
+
+	ck_assert_ptr_nonnull(mkdtemp(dir));
+	snprintf(sub, sizeof sub, "%s/state", dir);
+	snprintf(uri, sizeof uri, "local:%s", sub);
+	memset(&c, 0, sizeof c);
+	c.uri = uri;
+	c.rc = -100;
+	atomic_init(&c.opened, false);
+	atomic_init(&c.freed, false);
+	ck_assert_int_eq(pthread_create(&th, NULL, cof_main, &c), 0);
+	ck_assert_int_eq(pthread_join(th, &ret), 0);
+	ck_assert_ptr_eq(ret, PTHREAD_CANCELED);
+	ck_assert_msg(atomic_load(&c.opened),
+		      "cancelled inside kl_provider_open");
+	ck_assert_msg(c.rc == KL_OK, "open: rc %d", c.rc);
+	ck_assert_msg(atomic_load(&c.freed),
+		      "cancelled inside kl_provider_free");
+	ck_assert_int_eq(test_remove_tree(dir), 0);
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* User providers that fail                                            */
 
@@ -2680,6 +2734,7 @@ lock_suite(void)
 	tc = tcase_create("provider_failures");
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_cancel_waits_for_provider_call);
+	tcase_add_test(tc, test_cancel_pending_open_free);
 	tcase_add_test(tc, test_release_failure_event);
 	tcase_add_test(tc, test_acquire_failure_provider);
 	suite_add_tcase(s, tc);

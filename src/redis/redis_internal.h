@@ -270,10 +270,10 @@ struct kl__rlease {
 	void (*lost_fn)(void *ctx);
 	void *ctx;
 	int refs; /* the owner, plus the renewal thread while it uses it */
-	/* Connections on which an attempt of this acquire timed out: the
-	 * server may still run it, and grant the key to this token.  Owned
-	 * by the acquiring thread, then by r->undos (see undo_try in
-	 * redis_renew.c). */
+	/* Connections on which an attempt of this acquire, or its release,
+	 * timed out: the server may still run it, and grant the key to this
+	 * token.  Owned by the acquiring (releasing) thread, then by
+	 * r->undos (see undo_try in redis_renew.c). */
 	struct kl__rconn *stale[KL_R_STALE_MAX];
 	int nstale;
 	struct kl__rlease *undo_next; /* r->undos */

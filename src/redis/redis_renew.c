@@ -82,7 +82,10 @@ kl__redis_undo_later(struct kl__redis *r, struct kl__rlease *l)
  * after the server is back; a key set that failed would then keep the
  * keys it had taken.  The leave script of undo_try also frees a key that
  * l's token holds, so the renewal thread releases l as soon as the server
- * answers, until its ttl has passed (then the key expired anyway). */
+ * answers, until its ttl has passed (then the key expired anyway).  The
+ * release's unanswered connection is in l->stale: undo_try waits for it
+ * in slices, where a new connection to the silent server would hold the
+ * thread (renewals, lost callbacks, kl_provider_free) for a timeout. */
 void
 kl__redis_release_later(struct kl__redis *r, struct kl__rlease *l)
 {

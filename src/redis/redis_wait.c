@@ -151,7 +151,10 @@ kl__redis_leave_anyway(struct kl__redis *r, struct kl__rconn *c,
 }
 
 /* Compare-and-delete with l's token, retried once on a new connection.
- * *released tells whether the key was still ours. */
+ * *released tells whether the key was still ours.  A connection on which
+ * the script went unanswered is kept in l (kl__redis_stash), so that the
+ * renewal thread can wait for its answer in short slices rather than in a
+ * new connection's whole timeout (kl__redis_release_later). */
 int
 kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l, bool *released,
 		      kl_error *err)
@@ -179,6 +182,7 @@ kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l, bool *released,
 			err);
 		if (rc == KL_OK || !c->broken || ++tries > 1)
 			break;
+		kl__redis_stash(l, &c);
 		rc = kl__redis_conn_replace(r, &c, KL_R_NO_DEADLINE, err);
 	}
 	if (rc == KL_OK) {
@@ -186,6 +190,7 @@ kl__redis_release_key(struct kl__redis *r, struct kl__rlease *l, bool *released,
 			    rep->integer == 1;
 		freeReplyObject(rep);
 	}
+	kl__redis_stash(l, &c);
 	kl__redis_conn_put(r, c);
 	return rc;
 }

@@ -2737,6 +2737,38 @@ START_TEST(test_set_server_stopped)
 }
 END_TEST
 
+/* A release the stopped server did not answer is left to the renewal
+ * thread, which must not then sit in a new connection's whole timeout (4 s
+ * here) against the silent server: that held up kl_provider_free (and the
+ * renewals and lost callbacks of other leases) for the timeout.  It waits
+ * for the release's own connection in short slices instead. */
+START_TEST(test_release_unanswered_free_prompt)
+{
+	kl_provider *p = open_opts("restart_guard=0&timeout=4s&ttl=60s");
+	struct hold h;
+	int64_t t0, free_ms;
+
+	take_ok(p, "relfree", 0, &h);
+	g_stopped = (pid_t)info_number("process_id");
+	ck_assert_int_eq(kill(g_stopped, SIGSTOP), 0);
+	drop(&h);
+	ck_assert_int_eq(tev_count(&h.ev, KL_EV_RELEASE_FAILED), 1);
+	/* Time for the renewal thread to take up the release (a free before
+	 * that only lets the test pass). */
+	test_sleep_ms(300);
+	t0 = now_ns();
+	kl_lock_free(h.l);
+	kl_provider_free(p);
+	free_ms = (now_ns() - t0) / 1000000;
+	ck_assert_int_eq(kill(g_stopped, SIGCONT), 0);
+	g_stopped = 0;
+	ck_assert_msg(free_ms < 2000,
+		      "kl_provider_free took %lld ms: the renewal thread was "
+		      "stuck connecting to the stopped server",
+		      (long long)free_ms);
+}
+END_TEST
+
 static TCase *
 tcase_new(Suite *s, const char *name, int timeout)
 {
@@ -2812,6 +2844,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_stalled_waiter_leaves);
 	tcase_add_test(tc, test_stalled_timeout_bound);
 	tcase_add_test(tc, test_set_server_stopped);
+	tcase_add_test(tc, test_release_unanswered_free_prompt);
 	tcase_add_test(tc, test_restart);
 
 	return s;
