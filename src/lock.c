@@ -8,7 +8,7 @@
  * kl_lock_run and kl_lock_run_lease share one body (run) and keep their
  * lease on the stack or in the key's entry: they allocate nothing, nor
  * does kl_lock_acquire on a memory provider when the key is free (the
- * lease in the table: in_entry, shared_lease).
+ * lease in the table: in_entry, acquire_shared).
  * kl_lock_run_many goes through the same body with a key set, whose lease
  * (struct lease_set) is one allocation holding a struct kl_lease per key.
  */
@@ -26,7 +26,7 @@ struct kl_lock {
 	 * in_entry), else NULL: one load on every acquire and release. */
 	struct kl__table *table;
 	/* The same for a KL_SHARED lock whose kl_lock_acquire leases live
-	 * in the table (see shared_lease), else NULL. */
+	 * in the table (see is_solo), else NULL. */
 	struct kl__table *shared_table;
 	char *key; /* NULL: each call's key */
 	size_t key_len;
@@ -100,7 +100,7 @@ in_entry(const kl_lock *l)
 #define LEASE_RELEASED 2u
 #define LEASE_SET 4u /* a struct lease_set */
 #define LEASE_MARKS ((uintptr_t)(LEASE_LENT | LEASE_RELEASED | LEASE_SET))
-/* The marks of a shared lease in the table (see shared_lease): no lent
+/* The marks of a shared lease in the table (see is_solo): no lent
  * lease is marked LEASE_RELEASED without LEASE_LENT, so these two are
  * free.  LEASE_IN_TABLE tells both from every other lease, LEASE_SET
  * then the record from the slot. */
@@ -223,7 +223,7 @@ kl_lock_new(kl_lock **out, const kl_lock_opts *opts)
 	l->event_arg = opts->event_arg;
 	l->flags = opts->flags;
 	/* A shared holder's lease is the slot's solo word or a holder
-	 * record (see shared_lease), not the entry's lock word. */
+	 * record (see is_solo), not the entry's lock word. */
 	l->table = l->on_event == NULL && !(l->flags & KL_SHARED)
 			   ? l->provider->table
 			   : NULL;
@@ -351,7 +351,7 @@ acquire_in_entry(kl_lock *l, const kl_call *call, const char *key,
 }
 
 /* kl_lock_acquire of a lock with a shared_table: the lease in the table
- * (see shared_lease).  Out of line: the exclusive take keeps its frame. */
+ * (see is_solo).  Out of line: the exclusive take keeps its frame. */
 static __attribute__((noinline)) int
 acquire_shared(kl_lock *l, const kl_call *call, const char *key, size_t len,
 	       kl_lease **out, kl_error *err)

@@ -10,7 +10,7 @@
  * record, allocated here (SHARED_LEASE); the low bits of the handle tell
  * them apart (both are at least 8-byte aligned).  kl_lock_acquire of a
  * KL_SHARED lock without an event hook keeps its lease in the table
- * itself and calls the table directly (see lock.c, shared_lease); the
+ * itself and calls the table directly (see lock.c, is_solo); the
  * leases here are those of kl_lock_run and of locks with a hook.
  */
 #include "config.h"

@@ -33,13 +33,13 @@
  * waits record is made under it, and one found unflocked removed under
  * it (but one that names the dead ticket its ticket file's remover found,
  * which no wait is making), so that no walk meets a record being made
- * and no record being made is taken for a dead one's; a victim removes and closes its
- * own record before dropping it.  So a later walk never sees a victim's
- * edge (it leaves its queue right after, as a timed-out waiter does), and
- * the cycle it closed is broken for every other member: one victim per
- * cycle, whatever process each member is in.  A process stopped while it
- * holds the detector lock delays detection in the directory, never a
- * wait: detection only ever ends a wait early.
+ * and no record being made is taken for a dead one's; a victim removes
+ * and closes its own record before dropping it.  So a later walk never
+ * sees a victim's edge (it leaves its queue right after, as a timed-out
+ * waiter does), and the cycle it closed is broken for every other member:
+ * one victim per cycle, whatever process each member is in.  A process
+ * stopped while it holds the detector lock delays detection in the
+ * directory, never a wait: detection only ever ends a wait early.
  *
  * No false victim.  Queues are read without their locks, one at a time,
  * so the edges of a cycle are read at different moments, and every edge

@@ -179,7 +179,7 @@ KL_HIDDEN void kl__local_read_ticket(int fd, uint64_t n,
  * deadlock_ms says which ticket it waits with, and keeps an exclusive
  * flock on the file while it waits. */
 #define KL_LOCAL_WNAME 64
-#define KL_LOCAL_WAITS_MAGIC 0x314b4c57574b4c4bULL /* "KLWWKL1" */
+#define KL_LOCAL_WAITS_MAGIC 0x314b4c57574b4c4bULL /* "KLKWWLK1" (LE) */
 struct kl__local_wrec {
 	uint64_t magic;
 	int64_t pid;       /* the waiting thread, as its tickets name it */

@@ -138,7 +138,8 @@ renew_once(struct kl__redis *r, struct kl__rlease *l, int64_t cap,
 }
 
 /* One try at undoing l, an acquire that gave up with attempts unanswered
- * (see kl__redis_undo_later).  Once each connection it left has answered all it
+ * (see kl__redis_undo_later), or a lease whose release went unanswered
+ * (kl__redis_release_later).  Once each connection it left has answered all it
  * owed, no attempt of l's is still to run in the server, whatever the
  * order in which the server reads its connections; then the leave script
  * takes l's token out of the queue and frees the key if an attempt granted

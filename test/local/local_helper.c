@@ -1,8 +1,8 @@
 /* SPDX-License-Identifier: MIT */
 /*
- * A helper process for check_provider_local: the suite spawns it (a fresh
- * exec, never a bare fork of the threaded test) to lock keys of a local:
- * directory from another process.
+ * A helper process for check_provider_local and check_local_deadlock:
+ * the suites spawn it (a fresh exec, never a bare fork of the threaded
+ * test) to lock keys of a local: directory from another process.
  *
  *   local_helper hold DIR KEY
  *	acquires KEY, writes "G <fence>" on stdout, then keeps the key until
