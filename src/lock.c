@@ -902,10 +902,7 @@ kl_lease_release(kl_lease *lease)
 		end_set(set_of(lease));
 		return;
 	}
-	if (in_entry(l)) {
-		kl__table_release(l->table, lease_entry(lease));
-		return;
-	}
+	/* An entry's lease is unmarked unless lent: both went above. */
 	release(lease);
 	kl__free(lease);
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #if defined(__linux__)
 #include <sys/prctl.h>
@@ -1217,3 +1218,133 @@ test_oom_sweep(const struct oom_scenario *s, size_t ctx_size, long max_k,
 	*allocs = n;
 }
 #endif
+
+/* ------------------------------------------------------------------ */
+/* Key sets from several clients                                      */
+
+kl_lock *
+test_set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
+	      struct test_events *ev)
+{
+	kl_lock_opts o = KL_LOCK_OPTS_INIT;
+	kl_lock *l = NULL;
+
+	tev_init(ev);
+	o.provider = p;
+	o.timeout_ms = timeout_ms;
+	o.flags = flags;
+	o.on_event = tev_record;
+	o.event_arg = ev;
+	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
+	return l;
+}
+
+struct set_client {
+	kl_provider *p;
+	const char *keys[3];
+	long rounds;
+	atomic_int *inside;
+	atomic_int *overlaps;
+	long *count; /* plain: the sets must exclude each other */
+	pthread_t t;
+	int rc; /* outputs, read after join */
+	long done;
+	char message[256];
+};
+
+static int
+set_count(kl_lease *lease, void *arg)
+{
+	struct set_client *w = arg;
+
+	(void)lease;
+	if (atomic_fetch_add(w->inside, 1) != 0)
+		atomic_fetch_add(w->overlaps, 1);
+	(*w->count)++;
+	sched_yield();
+	atomic_fetch_sub(w->inside, 1);
+	return 0;
+}
+
+static void *
+set_client_main(void *arg)
+{
+	struct set_client *w = arg;
+	struct test_events ev;
+	kl_lock *l = test_set_lock(w->p, 20000, 0, &ev);
+	kl_error err;
+
+	memset(&err, 0, sizeof err);
+	w->rc = KL_OK;
+	for (w->done = 0; w->done < w->rounds; w->done++) {
+		w->rc = kl_lock_run_many(l, w->keys, 3, NULL, set_count, w,
+					 NULL, &err);
+		if (w->rc != KL_OK)
+			break;
+	}
+	memcpy(w->message, err.message, sizeof w->message);
+	kl_lock_free(l);
+	return NULL;
+}
+
+void
+test_sets_in_orders(kl_provider *const *p, int n, const char *const keys[3],
+		    long rounds)
+{
+	static const int order[4][3] = {
+		{ 0, 1, 2 }, { 2, 1, 0 }, { 1, 2, 0 }, { 0, 2, 1 },
+	};
+	struct set_client w[4];
+	atomic_int inside = 0, overlaps = 0;
+	long count = 0;
+
+	ck_assert(n > 0 && n <= 4);
+	for (int i = 0; i < n; i++) {
+		memset(&w[i], 0, sizeof w[i]);
+		w[i].p = p[i];
+		for (int k = 0; k < 3; k++)
+			w[i].keys[k] = keys[order[i][k]];
+		w[i].rounds = rounds;
+		w[i].inside = &inside;
+		w[i].overlaps = &overlaps;
+		w[i].count = &count;
+	}
+	for (int i = 0; i < n; i++)
+		test_thread_start(&w[i].t, set_client_main, &w[i]);
+	for (int i = 0; i < n; i++)
+		test_thread_join(w[i].t);
+	for (int i = 0; i < n; i++)
+		ck_assert_msg(w[i].rc == KL_OK, "client %d, round %ld: %s: %s",
+			      i, w[i].done, kl_strerror(w[i].rc),
+			      w[i].message);
+	ck_assert_int_eq(atomic_load(&overlaps), 0);
+	ck_assert_int_eq(count, n * rounds);
+}
+
+/* ------------------------------------------------------------------ */
+/* Private state trees for local: tests                               */
+
+void
+test_private_root(char *root, const char *name)
+{
+	int n = snprintf(root, PATH_MAX, "/tmp/%s.XXXXXX", name);
+
+	ck_assert(n > 0 && n < PATH_MAX);
+	ck_assert_ptr_nonnull(mkdtemp(root));
+	ck_assert_int_eq(chmod(root, 0700), 0);
+}
+
+void
+test_private_state(const char *root, char *parent, char *dir)
+{
+	int n;
+
+	n = snprintf(parent, PATH_MAX, "%s/t.XXXXXX", root);
+	ck_assert(n > 0 && n < PATH_MAX);
+	ck_assert_ptr_nonnull(mkdtemp(parent));
+	ck_assert_int_eq(chmod(parent, 0700), 0);
+	n = snprintf(dir, PATH_MAX, "%s/state", parent);
+	ck_assert(n > 0 && n < PATH_MAX);
+	ck_assert_int_eq(mkdir(dir, 0700), 0);
+	ck_assert_int_eq(chmod(dir, 0700), 0);
+}

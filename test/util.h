@@ -349,4 +349,21 @@ struct oom_scenario {
 void test_oom_sweep(const struct oom_scenario *s, size_t ctx_size,
 		    long max_k, long *allocs, long *failures);
 
+/* A private tree for local: tests: root = /tmp/NAME.XXXXXX (0700) once
+ * per suite; then per test parent = root/t.XXXXXX and dir = parent/state,
+ * both 0700 whatever the umask.  Buffers of PATH_MAX. */
+void test_private_root(char *root, const char *name);
+void test_private_state(const char *root, char *parent, char *dir);
+
+/* A lock without a key on p, flags (KL_SHARED...), events into ev. */
+kl_lock *test_set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
+		       struct test_events *ev);
+/* Key sets from n clients at once, the providers p[0..n-1] (one each, so
+ * their own sessions or connections), over keys[0..2] given in a
+ * different order by each (the first two exactly opposite): every client
+ * does each of its rounds once, with a timeout of 20 s a round, and no
+ * two are ever inside at once.  n <= 4. */
+void test_sets_in_orders(kl_provider *const *p, int n,
+			 const char *const keys[3], long rounds);
+
 #endif /* KL_TEST_UTIL_H */

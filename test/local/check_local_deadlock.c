@@ -71,9 +71,7 @@ static char g_dir[PATH_MAX];
 static void
 root_setup(void)
 {
-	strcpy(g_root, "/tmp/kl-check-ldl.XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(g_root));
-	ck_assert_int_eq(chmod(g_root, 0700), 0);
+	test_private_root(g_root, "kl-check-ldl");
 }
 
 static void
@@ -87,16 +85,7 @@ root_teardown(void)
 static void
 setup(void)
 {
-	int n;
-
-	n = snprintf(g_parent, sizeof g_parent, "%s/t.XXXXXX", g_root);
-	ck_assert(n > 0 && (size_t)n < sizeof g_parent);
-	ck_assert_ptr_nonnull(mkdtemp(g_parent));
-	ck_assert_int_eq(chmod(g_parent, 0700), 0);
-	n = snprintf(g_dir, sizeof g_dir, "%s/state", g_parent);
-	ck_assert(n > 0 && (size_t)n < sizeof g_dir);
-	ck_assert_int_eq(mkdir(g_dir, 0700), 0);
-	ck_assert_int_eq(chmod(g_dir, 0700), 0);
+	test_private_state(g_root, g_parent, g_dir);
 	ck_assert_int_eq(kl_deadlock_ms_set(DL_MS), KL_OK);
 }
 

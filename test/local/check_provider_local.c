@@ -99,9 +99,7 @@ static char g_dir[PATH_MAX];    /* g_parent/state, 0700 */
 static void
 root_setup(void)
 {
-	strcpy(g_root, "/tmp/kl-check-local.XXXXXX");
-	ck_assert_ptr_nonnull(mkdtemp(g_root));
-	ck_assert_int_eq(chmod(g_root, 0700), 0);
+	test_private_root(g_root, "kl-check-local");
 }
 
 static void
@@ -115,16 +113,7 @@ root_teardown(void)
 static void
 setup(void)
 {
-	int n;
-
-	n = snprintf(g_parent, sizeof g_parent, "%s/t.XXXXXX", g_root);
-	ck_assert(n > 0 && (size_t)n < sizeof g_parent);
-	ck_assert_ptr_nonnull(mkdtemp(g_parent));
-	ck_assert_int_eq(chmod(g_parent, 0700), 0);
-	n = snprintf(g_dir, sizeof g_dir, "%s/state", g_parent);
-	ck_assert(n > 0 && (size_t)n < sizeof g_dir);
-	ck_assert_int_eq(mkdir(g_dir, 0700), 0);
-	ck_assert_int_eq(chmod(g_dir, 0700), 0);
+	test_private_state(g_root, g_parent, g_dir);
 }
 
 /* Kills the helpers left over and removes the test's directories. */

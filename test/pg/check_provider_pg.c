@@ -2553,72 +2553,7 @@ START_TEST(test_client_cycle_not_seen_by_server)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-
-/* ------------------------------------------------------------------ */
 /* Key sets (issue 18): a property of the Lock strategy over PostgreSQL */
-
-static kl_lock *
-set_lock(kl_provider *p, int64_t timeout_ms, struct test_events *ev)
-{
-	kl_lock_opts o = KL_LOCK_OPTS_INIT;
-	kl_lock *l = NULL;
-
-	tev_init(ev);
-	o.provider = p;
-	o.timeout_ms = timeout_ms;
-	o.on_event = tev_record;
-	o.event_arg = ev;
-	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
-	return l;
-}
-
-struct set_worker {
-	kl_provider *p;
-	const char *keys[3];
-	long rounds;
-	atomic_int *inside;
-	atomic_int *overlaps;
-	long *count;
-	pthread_t t;
-	int rc; /* outputs, read after join */
-	long done;
-	char message[256];
-};
-
-static int
-set_count(kl_lease *lease, void *arg)
-{
-	struct set_worker *w = arg;
-
-	(void)lease;
-	if (atomic_fetch_add(w->inside, 1) != 0)
-		atomic_fetch_add(w->overlaps, 1);
-	(*w->count)++;
-	sched_yield();
-	atomic_fetch_sub(w->inside, 1);
-	return 0;
-}
-
-static void *
-set_worker_main(void *arg)
-{
-	struct set_worker *w = arg;
-	struct test_events ev;
-	kl_lock *l = set_lock(w->p, 20000, &ev);
-	kl_error err;
-
-	memset(&err, 0, sizeof err);
-	w->rc = KL_OK;
-	for (w->done = 0; w->done < w->rounds; w->done++) {
-		w->rc = kl_lock_run_many(l, w->keys, 3, NULL, set_count, w,
-					 NULL, &err);
-		if (w->rc != KL_OK)
-			break;
-	}
-	memcpy(w->message, err.message, sizeof w->message);
-	kl_lock_free(l);
-	return NULL;
-}
 
 /* Clients (each its own provider, so its own sessions) taking the same
  * three keys as sets, each given them in another order (two exactly
@@ -2629,39 +2564,17 @@ set_worker_main(void *arg)
 START_TEST(test_set_orders_clients)
 {
 	enum { N = 4 };
-	const char *a = new_key("setA"), *b = new_key("setB"),
-		   *c = new_key("setC");
-	const char *orders[N][3] = {
-		{ a, b, c }, { c, b, a }, { b, c, a }, { a, c, b },
-	};
-	struct set_worker w[N];
-	atomic_int inside = 0, overlaps = 0;
-	long count = 0, rounds = kl_test_scaled(20, 6);
+	const char *keys[3] = { new_key("setA"), new_key("setB"),
+				new_key("setC") };
+	kl_provider *p[N];
 
-	for (int i = 0; i < N; i++) {
-		memset(&w[i], 0, sizeof w[i]);
-		w[i].p = open_pg(NULL);
-		memcpy(w[i].keys, orders[i], sizeof w[i].keys);
-		w[i].rounds = rounds;
-		w[i].inside = &inside;
-		w[i].overlaps = &overlaps;
-		w[i].count = &count;
-	}
 	for (int i = 0; i < N; i++)
-		test_thread_start(&w[i].t, set_worker_main, &w[i]);
+		p[i] = open_pg(NULL);
+	test_sets_in_orders(p, N, keys, kl_test_scaled(20, 6));
 	for (int i = 0; i < N; i++)
-		test_thread_join(w[i].t);
-	for (int i = 0; i < N; i++) {
-		ck_assert_msg(w[i].rc == KL_OK, "client %d, round %ld: %s: %s",
-			      i, w[i].done, kl_strerror(w[i].rc),
-			      w[i].message);
-		kl_provider_free(w[i].p);
-	}
-	ck_assert_int_eq(atomic_load(&overlaps), 0);
-	ck_assert_int_eq(count, N * rounds);
-	wait_server_locks(a, 0, 0);
-	wait_server_locks(b, 0, 0);
-	wait_server_locks(c, 0, 0);
+		kl_provider_free(p[i]);
+	for (int k = 0; k < 3; k++)
+		wait_server_locks(keys[k], 0, 0);
 }
 END_TEST
 
@@ -2677,7 +2590,7 @@ START_TEST(test_set_second_fails_releases_first)
 	const char *keys[2];
 	kl_provider *p = open_pg(NULL), *q = open_pg(NULL);
 	struct test_events ev;
-	kl_lock *l = set_lock(p, 400, &ev);
+	kl_lock *l = test_set_lock(p, 400, 0, &ev);
 	kl_lease *lease = (kl_lease *)&lease;
 	struct hold h;
 	kl_error err;
@@ -2757,7 +2670,7 @@ START_TEST(test_set_deadlock_releases_first)
 	const char *keys[2];
 	struct set_call *c = calloc(1, sizeof *c);
 	struct test_events ev;
-	kl_lock *l = set_lock(p, WAIT_BOUND_MS, &ev);
+	kl_lock *l = test_set_lock(p, WAIT_BOUND_MS, 0, &ev);
 	struct test_bg bg;
 	PGconn *holder, *t;
 	PGresult *r;

@@ -2418,76 +2418,7 @@ START_TEST(test_restart)
 END_TEST
 
 /* ------------------------------------------------------------------ */
-
-
-/* ------------------------------------------------------------------ */
 /* Key sets (issue 18): a property of the Lock strategy over Redis     */
-
-/* A lock without a key on p, with events recorded into ev. */
-static kl_lock *
-set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
-	 struct test_events *ev)
-{
-	kl_lock_opts o = KL_LOCK_OPTS_INIT;
-	kl_lock *l = NULL;
-
-	tev_init(ev);
-	o.provider = p;
-	o.timeout_ms = timeout_ms;
-	o.flags = flags;
-	o.on_event = tev_record;
-	o.event_arg = ev;
-	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
-	return l;
-}
-
-struct set_worker {
-	kl_provider *p;
-	const char *keys[3];
-	long rounds;
-	atomic_int *inside;
-	atomic_int *overlaps;
-	long *count; /* plain: the set must exclude the others */
-	pthread_t t;
-	int rc; /* outputs, read after join */
-	long done;
-	char message[256];
-};
-
-static int
-set_count(kl_lease *lease, void *arg)
-{
-	struct set_worker *w = arg;
-
-	(void)lease;
-	if (atomic_fetch_add(w->inside, 1) != 0)
-		atomic_fetch_add(w->overlaps, 1);
-	(*w->count)++;
-	sched_yield();
-	atomic_fetch_sub(w->inside, 1);
-	return 0;
-}
-
-static void *
-set_worker_main(void *arg)
-{
-	struct set_worker *w = arg;
-	struct test_events ev;
-	kl_lock *l = set_lock(w->p, 20000, 0, &ev);
-	kl_error err;
-
-	memset(&err, 0, sizeof err);
-	w->rc = KL_OK;
-	for (w->done = 0; w->done < w->rounds; w->done++) {
-		w->rc = kl_lock_run_many(l, w->keys, 3, NULL, set_count, w,
-					 NULL, &err);
-		if (w->rc != KL_OK)
-			break;
-	}
-	memcpy(w->message, err.message, sizeof w->message);
-	kl_lock_free(l);
-	return NULL;
-}
 
 /* Clients (each its own provider, so its own connections) taking the
  * same three keys as sets, each given them in another order (two exactly
@@ -2498,40 +2429,16 @@ set_worker_main(void *arg)
 START_TEST(test_set_orders_clients)
 {
 	enum { N = 4 };
-	static const char *const orders[N][3] = {
-		{ "set:a", "set:b", "set:c" },
-		{ "set:c", "set:b", "set:a" },
-		{ "set:b", "set:c", "set:a" },
-		{ "set:a", "set:c", "set:b" },
-	};
-	struct set_worker w[N];
-	atomic_int inside = 0, overlaps = 0;
-	long count = 0, rounds = kl_test_scaled(30, 8);
-	kl_provider *p = open_default();
+	static const char *const keys[3] = { "set:a", "set:b", "set:c" };
+	kl_provider *q[N], *p = open_default();
 
-	for (int i = 0; i < N; i++) {
-		memset(&w[i], 0, sizeof w[i]);
-		w[i].p = open_default();
-		memcpy(w[i].keys, orders[i], sizeof w[i].keys);
-		w[i].rounds = rounds;
-		w[i].inside = &inside;
-		w[i].overlaps = &overlaps;
-		w[i].count = &count;
-	}
 	for (int i = 0; i < N; i++)
-		test_thread_start(&w[i].t, set_worker_main, &w[i]);
+		q[i] = open_default();
+	test_sets_in_orders(q, N, keys, kl_test_scaled(30, 8));
 	for (int i = 0; i < N; i++)
-		test_thread_join(w[i].t);
-	for (int i = 0; i < N; i++) {
-		ck_assert_msg(w[i].rc == KL_OK, "client %d, round %ld: %s: %s",
-			      i, w[i].done, kl_strerror(w[i].rc),
-			      w[i].message);
-		kl_provider_free(w[i].p);
-	}
-	ck_assert_int_eq(atomic_load(&overlaps), 0);
-	ck_assert_int_eq(count, N * rounds);
+		kl_provider_free(q[i]);
 	for (int k = 0; k < 3; k++)
-		test_assert_status(p, orders[0][k], 0, 0);
+		test_assert_status(p, keys[k], 0, 0);
 	/* Only the three fence counters stay. */
 	ck_assert_int_eq(count_keys(",:f,"), 3);
 	kl_provider_free(p);
@@ -2579,7 +2486,7 @@ START_TEST(test_set_timeout_holds_nothing)
 	kl_provider *p = open_default(), *q = open_default(),
 		    *t = open_default();
 	struct test_events ev;
-	kl_lock *l = set_lock(p, 400, 0, &ev);
+	kl_lock *l = test_set_lock(p, 400, 0, &ev);
 	kl_lease *lease = (kl_lease *)&lease;
 	struct hold hs, hf;
 	kl_error err;
@@ -2635,7 +2542,7 @@ START_TEST(test_set_one_deadline)
 	const char *keys[] = { "set:d3", "set:d2", "set:d1" };
 	kl_provider *p = open_default(), *q = open_default();
 	struct test_events ev;
-	kl_lock *l = set_lock(p, 3000, 0, &ev);
+	kl_lock *l = test_set_lock(p, 3000, 0, &ev);
 	struct hold h1, h3;
 	kl_lease *lease = NULL;
 	pthread_t t;
@@ -2698,7 +2605,7 @@ START_TEST(test_set_server_stopped)
 	kl_provider *p = open_opts("restart_guard=0&ttl=60s"),
 		    *q = open_opts("restart_guard=0&ttl=60s");
 	struct test_events ev;
-	kl_lock *l = set_lock(p, 2500, 0, &ev);
+	kl_lock *l = test_set_lock(p, 2500, 0, &ev);
 	struct set_call *c = calloc(1, sizeof *c);
 	struct hold hs, hf;
 	struct test_bg bg;
