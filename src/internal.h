@@ -193,6 +193,7 @@ struct kl__waiter {
 	int status;        /* with KL_W_DONE */
 	bool spin;         /* may spin before parking */
 	bool front;        /* queue at the head (a woken waiter going back) */
+	bool shared;       /* a shared request: may spin behind the head */
 	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
 	/* Registration on a cancel token: the token (NULL: none) and the

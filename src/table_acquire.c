@@ -727,6 +727,7 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 	int rc;
 
 	tw->w.left = waiter_left;
+	tw->w.shared = tw->h != NULL;
 	for (;;) {
 		rc = take_locked(s, h, key, len, &e, &st, fence);
 		if (rc != KEY_HELD) {

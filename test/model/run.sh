@@ -69,6 +69,11 @@ CHECKS=(
 	# The head's spin: giving up, it parks by a plain store of PARKED,
 	# hiding a grant published meanwhile (a waiter asleep for ever).
 	"mutant-spin-park|fail|safety|waitq.pml|-DMUTEX -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
+	# Any waiter may spin, not only the head (the key table's shared
+	# requests spin behind it), with deadlines, tokens and spurious
+	# wake-ups; and the same spin-park mutant among them.
+	"mutex-spin-any|pass|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPURIOUS -DDL=3 -DTOK=4 -DMAXQ=255 -DADMIN=-1"
+	"mutant-spin-any-park|fail|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
 	# The key table's lock modes (modes.pml): the Web Locks rule on one
 	# queue, readers and a writer, then two writers and a reader; its
 	# mutants: a waiter leaving by its deadline without passing the key

@@ -23,6 +23,10 @@
  *   MUTANT_SPIN_PARK a spinning head that gives up parks by storing PARKED
  *                    instead of going through the compare-and-swap from
  *                    AWAKE
+ *   SPIN_ANY         any waiter may spin before it parks, not only the
+ *                    head: the key table lets a shared request spin a few
+ *                    places behind the head (waitq.c, kl__waiter.shared);
+ *                    the assertion that only the head spins is off
  *   CHECK            each waiter has a check (kl__waiter.check: the key
  *                    table's deadlock detection), due once at a timed
  *                    wake-up, that may end its wait like a timeout with a
@@ -79,7 +83,7 @@
  * - at the end owner == 0 && qlen == 0, and no invalid end state (no waiter
  *   left asleep, no lock left held, no deadlock);
  * - a waiter spins only as the head: while it spins, it is either settled
- *   or first in the queue.
+ *   or first in the queue (not with SPIN_ANY).
  */
 
 #ifndef N
@@ -335,7 +339,16 @@ inline waitq_enqueue(me)
 			fi;
 			append(me);
 #ifdef MUTEX
+#ifdef SPIN_ANY
+			/* Any waiter may spin: the key table lets a shared
+			 * request spin a few places behind the head. */
+			if
+			:: spinme = true
+			:: spinme = false
+			fi
+#else
 			spinme = qlen == 1; /* only the head spins */
+#endif
 #endif
 			unlock(qlock)
 		fi
@@ -350,7 +363,9 @@ inline spin(me)
 {
 	/* one step: what it saw (and that only the head spins) */
 	atomic {
+#ifndef SPIN_ANY
 		assert(word[me] == SETTLED || qlen > 0 && q[0] == me);
+#endif
 		spinme = false
 	}
 #ifdef MUTANT_SPIN_PARK
