@@ -27,10 +27,6 @@
 #define KL__TABLE_PRIVATE
 #include "table.h"
 
-/* Keys for the fast hash and for SipHash, from the process's seed: the
- * fast hash's are SipHash outputs of it, so that they give nothing away of
- * the key a strong shard uses, and tables made after
- * kl__test_set_hash_seed hash alike. */
 /* A shard lock is held for a few hundred instructions, but by every
  * taker of a key held shared and every hand-off: with a plain mutex,
  * readers that merely overlap there sleep in the kernel (4 threads, every
@@ -39,21 +35,25 @@
 static void
 shard_lock_init(pthread_mutex_t *m)
 {
+	bool adaptive = false;
 #ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
 	pthread_mutexattr_t a;
 
 	if (pthread_mutexattr_init(&a) == 0) {
-		if (pthread_mutexattr_settype(&a, PTHREAD_MUTEX_ADAPTIVE_NP) ==
-		    0 && pthread_mutex_init(m, &a) == 0) {
-			pthread_mutexattr_destroy(&a);
-			return;
-		}
+		adaptive = pthread_mutexattr_settype(
+				   &a, PTHREAD_MUTEX_ADAPTIVE_NP) == 0 &&
+			   pthread_mutex_init(m, &a) == 0;
 		pthread_mutexattr_destroy(&a);
 	}
 #endif
-	pthread_mutex_init(m, NULL);
+	if (!adaptive)
+		pthread_mutex_init(m, NULL);
 }
 
+/* Keys for the fast hash and for SipHash, from the process's seed: the
+ * fast hash's are SipHash outputs of it, so that they give nothing away of
+ * the key a strong shard uses, and tables made after
+ * kl__test_set_hash_seed hash alike. */
 static void
 table_init(struct kl__table *t)
 {
