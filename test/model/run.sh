@@ -74,6 +74,11 @@ CHECKS=(
 	# wake-ups; and the same spin-park mutant among them.
 	"mutex-spin-any|pass|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPURIOUS -DDL=3 -DTOK=4 -DMAXQ=255 -DADMIN=-1"
 	"mutant-spin-any-park|fail|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
+	# The same mutant where only waiters behind the head spin: the
+	# spin-any checks reach a spin behind the head that a grant ends
+	# (mutant-spin-any-park fails through the head's spin already).
+	"mutant-spin-behind-park|fail|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPIN_BEHIND -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
+	"mutex-spin-behind|pass|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPIN_BEHIND -DSPURIOUS -DDL=3 -DTOK=4 -DMAXQ=255 -DADMIN=-1"
 	# The key table's lock modes (modes.pml): the Web Locks rule on one
 	# queue, readers and a writer, then two writers and a reader; its
 	# mutants: a waiter leaving by its deadline without passing the key

@@ -27,6 +27,10 @@
  *                    head: the key table lets a shared request spin a few
  *                    places behind the head (waitq.c, kl__waiter.shared);
  *                    the assertion that only the head spins is off
+ *   SPIN_BEHIND      with SPIN_ANY: only a waiter that queues behind the
+ *                    head spins, and a prodded one does not, so that a
+ *                    mutant caught here is caught through a spin behind
+ *                    the head (the head's own spin is checked without it)
  *   CHECK            each waiter has a check (kl__waiter.check: the key
  *                    table's deadlock detection), due once at a timed
  *                    wake-up, that may end its wait like a timeout with a
@@ -342,10 +346,14 @@ inline waitq_enqueue(me)
 #ifdef SPIN_ANY
 			/* Any waiter may spin: the key table lets a shared
 			 * request spin a few places behind the head. */
+#ifdef SPIN_BEHIND
+			spinme = qlen > 1;
+#else
 			if
 			:: spinme = true
 			:: spinme = false
 			fi
+#endif
 #else
 			spinme = qlen == 1; /* only the head spins */
 #endif
@@ -417,7 +425,12 @@ inline waitq_park(me)
 		/* Prodded: back to AWAKE, then spins as the new head. */
 		atomic {
 			if
-			:: word[me] == PRODDED -> word[me] = AWAKE; spinme = true
+			:: word[me] == PRODDED -> word[me] = AWAKE;
+#ifdef SPIN_BEHIND
+				spinme = false
+#else
+				spinme = true
+#endif
 			:: else -> skip
 			fi
 		};
