@@ -127,6 +127,16 @@ kl__thread_id(void)
 		return kl__thread_id_new();
 	return kl__tid;
 }
+/* A spin-wait hint to the CPU. */
+static inline void
+kl__cpu_relax(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+	__builtin_ia32_pause();
+#elif defined(__aarch64__)
+	__asm__ __volatile__("yield");
+#endif
+}
 /* CLOCK_MONOTONIC_COARSE nanoseconds: a few ms of resolution, a fraction of
  * the cost; for times only reported in milliseconds. */
 KL_HIDDEN int64_t kl__coarse_now_ns(void);

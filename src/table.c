@@ -27,29 +27,6 @@
 #define KL__TABLE_PRIVATE
 #include "table.h"
 
-/* A shard lock is held for a few hundred instructions, but by every
- * taker of a key held shared and every hand-off: with a plain mutex,
- * readers that merely overlap there sleep in the kernel (4 threads, every
- * request shared: half a futex call per request).  glibc's adaptive
- * mutex spins a little first. */
-static void
-shard_lock_init(pthread_mutex_t *m)
-{
-	bool adaptive = false;
-#ifdef PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP
-	pthread_mutexattr_t a;
-
-	if (pthread_mutexattr_init(&a) == 0) {
-		adaptive = pthread_mutexattr_settype(
-				   &a, PTHREAD_MUTEX_ADAPTIVE_NP) == 0 &&
-			   pthread_mutex_init(m, &a) == 0;
-		pthread_mutexattr_destroy(&a);
-	}
-#endif
-	if (!adaptive)
-		pthread_mutex_init(m, NULL);
-}
-
 /* Keys for the fast hash and for SipHash, from the process's seed: the
  * fast hash's are SipHash outputs of it, so that they give nothing away of
  * the key a strong shard uses, and tables made after
@@ -69,7 +46,9 @@ table_init(struct kl__table *t)
 	for (int i = 0; i < NSHARDS; i++) {
 		struct shard *s = &t->shards[i];
 
-		shard_lock_init(&s->lock);
+		pthread_mutex_init(&s->lock, NULL);
+		atomic_init(&s->sleepers, 0);
+		KL_ANNOTATE_ATOMIC(&s->sleepers);
 		atomic_init(&s->slots, NULL);
 		KL_ANNOTATE_ATOMIC(&s->slots);
 		for (int j = 0; j < SLOTS; j++)

@@ -334,6 +334,8 @@ _Static_assert((SLOTS & (SLOTS - 1)) == 0 && SLOTS <= 8,
 
 struct shard {
 	pthread_mutex_t lock;
+	/* Threads in pthread_mutex_lock on it (shard_lock): a hint */
+	atomic_uint sleepers;
 	/* SLOTS slot entries of SLOT_SIZE bytes, made under the lock and
 	 * read without it. */
 	_Atomic(struct kl__entry *) slots;

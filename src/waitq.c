@@ -174,16 +174,6 @@ kl__unpark(void *wake)
 }
 #endif
 
-static inline void
-cpu_relax(void)
-{
-#if defined(__x86_64__) || defined(__i386__)
-	__builtin_ia32_pause();
-#elif defined(__aarch64__)
-	__asm__ __volatile__("yield");
-#endif
-}
-
 /* Online CPUs.  Not the calling thread's affinity: threads pinned one to a
  * CPU each (a common server layout) still gain from spinning, and the first
  * caller's mask would decide for every thread.  A process confined to one
@@ -446,7 +436,7 @@ spin(struct kl__waiter *w)
 		for (int i = 0; i < 64; i++) {
 			if (outcome_published(w))
 				return;
-			cpu_relax();
+			kl__cpu_relax();
 		}
 		if (kl__now_ns() >= until)
 			return;
