@@ -148,7 +148,6 @@ ticket_record(const char *key, uint64_t n)
 	return rec;
 }
 
-/* The number of waits records ("w...") in g_dir. */
 /* Waits records in the directory whose owner has written them whole: a
  * record is made empty (O_EXCL), then written, then flocked, and one
  * killed before the write names nobody (it goes only under the detector
@@ -172,6 +171,7 @@ waits_records_written(void)
 	return n;
 }
 
+/* The number of waits records ("w...") in g_dir. */
 static int
 waits_records(void)
 {
