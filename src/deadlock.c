@@ -195,23 +195,6 @@ confirm(void *arg, uint64_t tid, uint64_t grant)
 		k->seen = true;
 }
 
-/* Appends s to buf (size bytes, *n used); false, with "..." at the end,
- * once it does not fit. */
-static bool
-append(char *buf, size_t size, size_t *n, const char *s)
-{
-	size_t len = strlen(s);
-
-	if (*n + len + 4 > size) {
-		memcpy(buf + *n, "...", 4);
-		*n = size;
-		return false;
-	}
-	memcpy(buf + *n, s, len + 1);
-	*n += len;
-	return true;
-}
-
 /* Whether me's wait closes a cycle of the graph, read twice (see the
  * top); *msg then names its keys. */
 static bool
@@ -251,10 +234,10 @@ closes_cycle(struct kl__dl_wait *me, char *msg, size_t size)
 			 r == me ? "deadlock: waits for '%s'"
 				 : ", held by a thread waiting for '%s'",
 			 shown);
-		room = append(msg, size, &n, part);
+		room = kl__msg_append(msg, size, &n, part);
 	}
 	if (room)
-		(void)append(msg, size, &n, ", held by this thread");
+		(void)kl__msg_append(msg, size, &n, ", held by this thread");
 	return true;
 }
 

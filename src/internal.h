@@ -56,6 +56,10 @@ KL_HIDDEN char *kl__strndup(const char *s, size_t n);
 /* Writes a printable, shortened form of key into buf (size > 8). */
 KL_HIDDEN void kl__key_printable(char *buf, size_t size, const char *key,
 				 size_t len);
+/* Appends s to the message in buf (size bytes, *n used); false, with
+ * "..." at the end, once it does not fit. */
+KL_HIDDEN bool kl__msg_append(char *buf, size_t size, size_t *n,
+			      const char *s);
 
 /* ------------------------------------------------------------------ */
 /* clock.c: CLOCK_MONOTONIC nanoseconds; INT64_MAX means "no deadline".

@@ -68,6 +68,21 @@ kl__key_printable(char *buf, size_t size, const char *key, size_t len)
 	buf[n] = '\0';
 }
 
+bool
+kl__msg_append(char *buf, size_t size, size_t *n, const char *s)
+{
+	size_t len = strlen(s);
+
+	if (*n + len + 4 > size) {
+		memcpy(buf + *n, "...", 4);
+		*n = size;
+		return false;
+	}
+	memcpy(buf + *n, s, len + 1);
+	*n += len;
+	return true;
+}
+
 /* Milliseconds per unit, longest suffix first so "ms" is not read as "m". */
 static const struct {
 	const char *suffix;

@@ -517,23 +517,6 @@ has_holder(const struct walk *w, const struct holder *want)
 	return false;
 }
 
-/* Appends s to buf (size bytes, *n used); false, with "..." at the end,
- * once it does not fit. */
-static bool
-append(char *buf, size_t size, size_t *n, const char *s)
-{
-	size_t len = strlen(s);
-
-	if (*n + len + 4 > size) {
-		memcpy(buf + *n, "...", 4);
-		*n = size;
-		return false;
-	}
-	memcpy(buf + *n, s, len + 1);
-	*n += len;
-	return true;
-}
-
 /* The second pass over the cycle through w->nodes[closer], whose key me
  * holds with cl; msg then names its keys. */
 static bool
@@ -578,10 +561,10 @@ confirm(struct walk *w, size_t closer, const struct holder *cl,
 				 ", held by pid %" PRId64 " waiting for '%s'",
 				 x->who.pid, shown);
 		}
-		room = append(msg, size, &n, part);
+		room = kl__msg_append(msg, size, &n, part);
 	}
 	if (room)
-		(void)append(msg, size, &n, ", held by this thread");
+		(void)kl__msg_append(msg, size, &n, ", held by this thread");
 	return true;
 }
 
