@@ -4213,24 +4213,6 @@ helper_release(struct test_helper *h)
 	test_helper_close(h);
 }
 
-/* A lock without a key on p, with events recorded into ev. */
-static kl_lock *
-set_lock(kl_provider *p, int64_t timeout_ms, unsigned flags,
-	 struct test_events *ev)
-{
-	kl_lock_opts o = KL_LOCK_OPTS_INIT;
-	kl_lock *l = NULL;
-
-	tev_init(ev);
-	o.provider = p;
-	o.timeout_ms = timeout_ms;
-	o.flags = flags;
-	o.on_event = tev_record;
-	o.event_arg = ev;
-	ck_assert_int_eq(kl_lock_new(&l, &o), KL_OK);
-	return l;
-}
-
 /* Processes taking the same three keys as sets, each given them in
  * another order (two of them exactly opposite), all finish: no two set
  * calls wait for each other in a cycle, because each takes the keys in
@@ -4309,7 +4291,7 @@ START_TEST(test_set_timeout_holds_nothing)
 	kl_provider *p = open_dir(g_dir);
 	struct test_helper hs, hf;
 	struct test_events ev;
-	kl_lock *l = set_lock(p, 300, 0, &ev);
+	kl_lock *l = test_set_lock(p, 300, 0, &ev);
 	kl_lease *lease = (kl_lease *)&lease;
 	kl_error err;
 	int rc, r = -1;
@@ -4363,7 +4345,7 @@ START_TEST(test_set_fences_grow)
 	const char *keys[] = { k2, k1, k2 };
 	kl_provider *p = open_dir(g_dir);
 	struct test_events ev;
-	kl_lock *l = set_lock(p, WAIT_BOUND_MS, 0, &ev);
+	kl_lock *l = test_set_lock(p, WAIT_BOUND_MS, 0, &ev);
 	struct test_helper h;
 	kl_lease *lease = NULL;
 	uint64_t f1, f2, g2;
@@ -4422,8 +4404,8 @@ START_TEST(test_set_shared)
 	const char *args[] = { "smhold", g_dir, k2, k1, NULL };
 	kl_provider *p = open_dir(g_dir);
 	struct test_events ev, evx;
-	kl_lock *ls = set_lock(p, 0, KL_SHARED, &ev);
-	kl_lock *lx = set_lock(p, 0, 0, &evx);
+	kl_lock *ls = test_set_lock(p, 0, KL_SHARED, &ev);
+	kl_lock *lx = test_set_lock(p, 0, 0, &evx);
 	struct test_helper h;
 	kl_lease *lease = NULL, *x = NULL;
 	kl_error err;
