@@ -47,6 +47,10 @@
  *   how a holder or a waiter killed with SIGKILL stops blocking the
  *   others, and how a release that could not take the queue lock in time
  *   still frees the key (it just closes its ticket);
+ * - a request leaving from the end of the queue (a try-once, a timed-out
+ *   wait, the newest shared holder) gives its number back, with those of
+ *   the dead tickets just before it, so that a long holder does not make
+ *   [serving, next) grow with every refused try (see reclaim_tail);
  * - a queue file with no ticket left (serving == next) is removed by the
  *   one leaving it, under its lock, once its fence is behind the wall
  *   clock, with the file of ticket next that a process killed before
