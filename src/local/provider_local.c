@@ -196,9 +196,9 @@ unlink_own(struct local *lp, const char *name, dev_t dev, ino_t ino)
 /* Gives the numbers of the dead tickets at the end of the queue back
  * (ours among them), so that the next ticket taken reuses them.  serving
  * cannot pass a live holder, so without this every try-once or timed-out
- * wait behind a long holder would leave a number in the range [serving,
- * next) for good, and after KL_LOCAL_MAX_TICKETS of them the queue file
- * would read as damaged, the key refused until removed by hand.  A reused
+ * wait behind a long holder would leave a dead number in the range
+ * [serving, next) for as long as it holds (those that a newer live
+ * ticket keeps there are skipped by kl__local_ticket_files).  A reused
  * number is a fresh ticket file, told from the old one as after an idle
  * queue file is made again (see acquire).  Queue lock held; st written
  * back when it changed. */
@@ -206,15 +206,20 @@ static int
 reclaim_tail(struct local *lp, const struct local_lease *l,
 	     struct kl__local_qstate *st, kl_error *err)
 {
-	uint64_t next = st->next;
+	uint64_t next = st->next, dead = 0, first, last;
 
 	/* Only from our own ticket: the hand-off path (a holder at the
 	 * head, its waiters behind) looks at nothing more. */
 	if (next == 0 || next - 1 != l->ticket)
 		return KL_OK;
 	while (next > st->serving &&
-	       !kl__local_ticket_alive(lp, l->name, next - 1, true))
+	       !kl__local_ticket_alive(lp, l->name, next - 1, true)) {
 		next--;
+		if (++dead % KL_LOCAL_DEAD_RUN == 0 && next > st->serving &&
+		    kl__local_ticket_files(lp, l->name, st->serving, next,
+					   &first, &last))
+			next = last == next ? st->serving : last + 1;
+	}
 	if (next == st->next)
 		return KL_OK;
 	st->next = next;
