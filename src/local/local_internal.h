@@ -14,7 +14,12 @@
 
 #define KL_LOCAL_TRY_GRACE_MS 50 /* a try-once may wait this long for the
 				  * queue lock */
-#define KL_LOCAL_MAX_TICKETS (1u << 20) /* more tickets in use: damaged */
+/* A wider range of tickets [serving, next): damaged.  Not a count of
+ * tickets in use: a long holder with short requests that overlap behind
+ * it widens the range by one each (see kl__local_ticket_files). */
+#define KL_LOCAL_MAX_TICKETS ((uint64_t)1 << 48)
+#define KL_LOCAL_DEAD_RUN 64 /* dead tickets looked at one by one before
+			      * kl__local_ticket_files */
 /* Keys up to this many bytes are recorded in their queue file (for
  * kl_provider_snapshot); a longer one only by its length. */
 #define KL_LOCAL_KEY_KEEP 65536
@@ -142,6 +147,15 @@ KL_HIDDEN int kl__local_write_ticket(int tfd, uint64_t n, bool shared,
 				     int64_t since_us);
 KL_HIDDEN bool kl__local_ticket_alive(struct local *lp, const char *qname,
 				      uint64_t n, bool locked);
+/* The lowest and the highest number in [lo, hi) that has a ticket file
+ * of qname, in *min and *max (both hi when none has): after a long run of
+ * dead tickets, one look at the directory instead of one at each number.
+ * Under the queue lock the scan sees every ticket file of the queue (none
+ * is made or removed without it).  false when the directory cannot be
+ * read whole (out of descriptors or memory): look at each number then. */
+KL_HIDDEN bool kl__local_ticket_files(struct local *lp, const char *qname,
+				      uint64_t lo, uint64_t hi, uint64_t *min,
+				      uint64_t *max);
 /* Grants every request at the head of the queue that the rule allows
  * (see provider_local.c), skipping dead tickets; mine (may be NULL) is
  * the caller's own ticket.  Queue lock held; st is written back when it

@@ -18,7 +18,10 @@
  * ticket that is simply granted again; the owner only believes its grant
  * once granted has moved past its ticket.  A dead ticket (see
  * kl__local_ticket_alive) is skipped on the way; dead tickets below
- * serving's first live one are removed as serving moves past them.
+ * serving's first live one are removed as serving moves past them.  A
+ * long run of numbers without a file (short requests that came and went
+ * behind a long holder) is crossed with one directory scan
+ * (kl__local_ticket_files), not one look per number.
  *
  * Ticket files also record who asked (pid, tid, a random per-process
  * nonce), in which mode and since when, which status, snapshot and
@@ -26,6 +29,7 @@
  */
 #include "config.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
@@ -407,6 +411,58 @@ kl__local_ticket_alive(struct local *lp, const char *qname, uint64_t n,
 	return ticket_look(lp, qname, n, locked, &t);
 }
 
+bool
+kl__local_ticket_files(struct local *lp, const char *qname, uint64_t lo,
+		       uint64_t hi, uint64_t *min, uint64_t *max)
+{
+	size_t qlen = strlen(qname);
+	struct dirent *e;
+	DIR *d;
+	int fd;
+
+	*min = *max = hi;
+	fd = openat(lp->dirfd, ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+	if (fd < 0)
+		return false;
+	if ((d = fdopendir(fd)) == NULL) {
+		close(fd);
+		return false;
+	}
+	for (;;) {
+		const char *s;
+		uint64_t n = 0;
+
+		errno = 0;
+		/* The stream is this call's own: readdir is safe on it. */
+		e = readdir(d); /* NOLINT(concurrency-mt-unsafe) */
+		if (e == NULL)
+			break;
+		if (strncmp(e->d_name, qname, qlen) != 0 ||
+		    e->d_name[qlen] != '.')
+			continue;
+		/* Only the names kl__local_ticket_name gives: no sign, no
+		 * leading zero. */
+		s = e->d_name + qlen + 1;
+		if (*s == '\0' || (*s == '0' && s[1] != '\0'))
+			continue;
+		for (; *s >= '0' && *s <= '9' && n <= UINT64_MAX / 10 - 1; s++)
+			n = n * 10 + (uint64_t)(*s - '0');
+		if (*s != '\0' || n < lo || n >= hi)
+			continue;
+		if (*min == hi || n < *min)
+			*min = n;
+		if (*max == hi || n > *max)
+			*max = n;
+	}
+	/* A scan cut short may have missed a live ticket. */
+	if (errno != 0) {
+		closedir(d);
+		return false;
+	}
+	closedir(d);
+	return true;
+}
+
 /* Writes ticket n's grant: through mine's descriptor when it is the
  * caller's, else through the file (which its owner keeps flocked).  0 or
  * -1 (errno set). */
@@ -452,6 +508,7 @@ kl__local_process(struct local *lp, const char *qname, int qfd,
 {
 	struct kl__local_ticket t;
 	bool changed = false, held = false, excl = false, own_failed = false;
+	uint64_t dead = 0, lo, hi;
 	int own_errno = 0;
 
 	/* serving past the dead, up to the first live holder, whose mode
@@ -470,6 +527,11 @@ kl__local_process(struct local *lp, const char *qname, int qfd,
 		KL_CRASH_POINT("dead-skipped");
 		st->serving++;
 		changed = true;
+		if (++dead % KL_LOCAL_DEAD_RUN == 0 &&
+		    st->serving < st->granted &&
+		    kl__local_ticket_files(lp, qname, st->serving, st->granted,
+					   &lo, &hi))
+			st->serving = lo;
 	}
 	while (st->granted < st->next) {
 		uint64_t n = st->granted;
@@ -485,6 +547,14 @@ kl__local_process(struct local *lp, const char *qname, int qfd,
 				st->serving++;
 			st->granted++;
 			changed = true;
+			if (++dead % KL_LOCAL_DEAD_RUN == 0 &&
+			    st->granted < st->next &&
+			    kl__local_ticket_files(lp, qname, st->granted,
+						   st->next, &lo, &hi)) {
+				if (st->serving == st->granted)
+					st->serving = lo;
+				st->granted = lo;
+			}
 			continue;
 		}
 		if (held && (excl || !shared))
@@ -550,11 +620,18 @@ kl__local_walk(struct local *lp, const char *qname,
 {
 	struct kl__local_ticket t;
 	bool held = false, excl = false, blocked = false;
+	uint64_t dead = 0, lo, hi;
 	int rc;
 
 	for (uint64_t n = st->serving; n < st->next; n++) {
-		if (!ticket_look(lp, qname, n, false, &t))
+		if (!ticket_look(lp, qname, n, false, &t)) {
+			if (++dead % KL_LOCAL_DEAD_RUN == 0 &&
+			    n + 1 < st->next &&
+			    kl__local_ticket_files(lp, qname, n + 1, st->next,
+						   &lo, &hi))
+				n = lo - 1;
 			continue;
+		}
 		if (n < st->granted) {
 			t.holds = true;
 			held = true;

@@ -47,6 +47,10 @@
  *   how a holder or a waiter killed with SIGKILL stops blocking the
  *   others, and how a release that could not take the queue lock in time
  *   still frees the key (it just closes its ticket);
+ * - a request leaving from the end of the queue (a try-once, a timed-out
+ *   wait, the newest shared holder) gives its number back, with those of
+ *   the dead tickets just before it, so that a long holder does not make
+ *   [serving, next) grow with every refused try (see reclaim_tail);
  * - a queue file with no ticket left (serving == next) is removed by the
  *   one leaving it, under its lock, once its fence is behind the wall
  *   clock, with the file of ticket next that a process killed before
@@ -189,6 +193,44 @@ unlink_own(struct local *lp, const char *name, dev_t dev, ino_t ino)
 		unlinkat(lp->dirfd, name, 0);
 }
 
+/* Gives the numbers of the dead tickets at the end of the queue back
+ * (ours among them), so that the next ticket taken reuses them.  serving
+ * cannot pass a live holder, so without this every try-once or timed-out
+ * wait behind a long holder would leave a dead number in the range
+ * [serving, next) for as long as it holds (those that a newer live
+ * ticket keeps there are skipped by kl__local_ticket_files).  A reused
+ * number is a fresh ticket file, told from the old one as after an idle
+ * queue file is made again (see acquire).  Queue lock held; st written
+ * back when it changed. */
+static int
+reclaim_tail(struct local *lp, const struct local_lease *l,
+	     struct kl__local_qstate *st, kl_error *err)
+{
+	uint64_t next = st->next, dead = 0, first, last;
+
+	/* Only from our own ticket: the hand-off path (a holder at the
+	 * head, its waiters behind) looks at nothing more. */
+	if (next == 0 || next - 1 != l->ticket)
+		return KL_OK;
+	while (next > st->serving &&
+	       !kl__local_ticket_alive(lp, l->name, next - 1, true)) {
+		next--;
+		if (++dead % KL_LOCAL_DEAD_RUN == 0 && next > st->serving &&
+		    kl__local_ticket_files(lp, l->name, st->serving, next,
+					   &first, &last))
+			next = last == next ? st->serving : last + 1;
+	}
+	if (next == st->next)
+		return KL_OK;
+	st->next = next;
+	if (st->granted > next)
+		st->granted = next;
+	if (kl__local_write_state(l->qfd, st) != 0)
+		return kl__local_fail_file(lp, err, "cannot update", l->name,
+					   errno);
+	return KL_OK;
+}
+
 /* Leaves the queue: removes the ticket, passes the key on when it was
  * ours, and removes the queue file when nobody is left in it.  Queue lock
  * held on entry, released on return; the files are closed. */
@@ -211,6 +253,8 @@ leave(struct local *lp, struct local_lease *l, kl_error *err)
 		/* Past our own ticket and any dead one, granting the
 		 * waiters at the head that may be granted now. */
 		rc = kl__local_process(lp, l->name, l->qfd, &st, NULL, err);
+		if (rc == KL_OK)
+			rc = reclaim_tail(lp, l, &st, err);
 		if (rc == KL_OK && st.serving == st.next &&
 		    st.fence < kl__local_wall_us() &&
 			 fstatat(lp->dirfd, l->name, &qst,
