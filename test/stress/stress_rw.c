@@ -27,6 +27,14 @@
  * chain marks, unchains and the floors of fences; now and then a holder
  * asks for its own key again with KL_ERRORCHECK, which must say
  * KL_EDEADLK in either mode.
+ *
+ * Meanwhile a watcher takes snapshots of the provider over and over, and
+ * checks every key's queue state in each (its rows are read under its
+ * shard's lock, at one moment): an exclusive holder is the only holder;
+ * nobody waits for a key nobody holds; and with the key held shared, the
+ * head of its queue wants it exclusively (a shared request there is
+ * grantable: once a holder gave the key back or a queued writer left
+ * before it, it must have been granted already, not left parked).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -75,6 +83,20 @@ struct rw {
 	atomic_bool stop;
 	atomic_long violations, fence_errors, errors, invariant_errors;
 	atomic_long timeouts, cancels;
+};
+
+/* The snapshot watcher (see the top): the rows of the key being read and
+ * what they broke.  A key's rows come together, its holders first. */
+struct rw_watch {
+	kl_provider *p;
+	pthread_t th;
+	atomic_bool stop;
+	char key[64]; /* the key whose rows are being read ("" none) */
+	size_t holders, exclusive, waiters, pos;
+	bool head_shared, order_bad;
+	long snapshots, keys_seen, shared_heads_seen;
+	atomic_long bad;
+	char first[200]; /* the first bad state, for the message */
 };
 
 struct rw_worker {
@@ -145,6 +167,102 @@ run_fn(void *arg)
 
 	inside(w->x, w->cur, w->writer, 0);
 	return 0;
+}
+
+/* Checks the rows read of wt->key, and forgets them. */
+static void
+watch_key_end(struct rw_watch *wt)
+{
+	const char *why = NULL;
+
+	if (wt->key[0] == '\0')
+		return;
+	wt->keys_seen++;
+	if (wt->exclusive != 0 && wt->holders != 1)
+		why = "an exclusive holder beside others";
+	else if (wt->waiters != 0 && wt->holders == 0)
+		why = "waiters and no holder";
+	else if (wt->waiters != 0 && wt->exclusive == 0 && wt->head_shared)
+		why = "held shared, and a shared request waits at the head";
+	else if (wt->order_bad)
+		why = "rows out of order (holders first, then positions "
+		      "0, 1, ...)";
+	if (wt->waiters != 0 && wt->exclusive == 0 && !wt->head_shared)
+		wt->shared_heads_seen++;
+	if (why != NULL && atomic_fetch_add(&wt->bad, 1) == 0)
+		snprintf(wt->first, sizeof wt->first,
+			 "key '%s': %s (%zu holders, %zu exclusive, %zu "
+			 "waiters, head %s)",
+			 wt->key, why, wt->holders, wt->exclusive,
+			 wt->waiters, wt->head_shared ? "shared" : "exclusive");
+	wt->key[0] = '\0';
+}
+
+static int
+watch_row(const kl_lock_info *in, void *arg)
+{
+	struct rw_watch *wt = arg;
+
+	if (in->key == NULL || strcmp(in->key, wt->key) != 0) {
+		watch_key_end(wt);
+		snprintf(wt->key, sizeof wt->key, "%s",
+			 in->key != NULL ? in->key : "?");
+		wt->holders = wt->exclusive = wt->waiters = wt->pos = 0;
+		wt->head_shared = wt->order_bad = false;
+	}
+	if (!in->waiting) {
+		if (wt->waiters != 0)
+			wt->order_bad = true;
+		wt->holders++;
+		if (!in->shared)
+			wt->exclusive++;
+		return 0;
+	}
+	if (in->position != wt->pos++)
+		wt->order_bad = true;
+	if (wt->waiters++ == 0)
+		wt->head_shared = in->shared;
+	return 0;
+}
+
+static void *
+watch_main(void *arg)
+{
+	struct rw_watch *wt = arg;
+
+	while (!atomic_load(&wt->stop)) {
+		wt->key[0] = '\0';
+		if (kl_provider_snapshot(wt->p, watch_row, wt, NULL) != KL_OK &&
+		    atomic_fetch_add(&wt->bad, 1) == 0)
+			snprintf(wt->first, sizeof wt->first,
+				 "kl_provider_snapshot failed");
+		watch_key_end(wt);
+		wt->snapshots++;
+		sched_yield();
+	}
+	return NULL;
+}
+
+static void
+watch_start(struct rw_watch *wt, kl_provider *p)
+{
+	memset(wt, 0, sizeof *wt);
+	wt->p = p;
+	st_thread_start(&wt->th, 0, watch_main, wt);
+}
+
+/* Stops the watcher and asserts on what it saw. */
+static void
+watch_end(struct rw_watch *wt)
+{
+	atomic_store(&wt->stop, true);
+	st_thread_join(wt->th);
+	st_note("watcher: %ld snapshots, %ld key states, %ld with a writer "
+		"at the head of readers, %ld bad",
+		wt->snapshots, wt->keys_seen, wt->shared_heads_seen,
+		atomic_load(&wt->bad));
+	st_assert(atomic_load(&wt->bad) == 0, "%ld bad queue states, first: %s",
+		  atomic_load(&wt->bad), wt->first);
 }
 
 static bool
@@ -282,6 +400,7 @@ START_TEST(test_readers_writers)
 {
 	static struct rw x;
 	static struct rw_worker w[READERS + WRITERS];
+	static struct rw_watch wt;
 	long reads = 0, writes = 0, wgrants = 0;
 	bool done;
 
@@ -298,6 +417,7 @@ START_TEST(test_readers_writers)
 	x.w_timed = rw_lock(x.p, 0, 1);
 	for (int i = 0; i < WRITERS; i++)
 		st_slot_init(&x.slots[i]);
+	watch_start(&wt, x.p);
 	for (int i = 0; i < READERS + WRITERS; i++) {
 		w[i].x = &x;
 		w[i].writer = i >= READERS;
@@ -318,6 +438,7 @@ START_TEST(test_readers_writers)
 		if (w[i].writer)
 			wgrants += w[i].grants;
 	}
+	watch_end(&wt);
 	for (int k = 0; k < NKEYS; k++) {
 		reads += atomic_load(&x.keys[k].reads);
 		writes += atomic_load(&x.keys[k].writes);
@@ -530,6 +651,7 @@ START_TEST(test_colliding_keys)
 {
 	static struct cl x;
 	static struct cl_worker w[CL_THREADS];
+	static struct rw_watch wt;
 	const int64_t timeouts[3] = { KL_FOREVER, 0, 1 };
 
 	st_begin("keys sharing slots: exclusion, fences, errorcheck");
@@ -545,6 +667,7 @@ START_TEST(test_colliding_keys)
 					(a ? KL_SHARED : 0) |
 						(c ? KL_ERRORCHECK : 0),
 					timeouts[b]);
+	watch_start(&wt, x.p);
 	for (int i = 0; i < CL_THREADS; i++) {
 		w[i].x = &x;
 		w[i].idx = i;
@@ -552,6 +675,7 @@ START_TEST(test_colliding_keys)
 	}
 	for (int i = 0; i < CL_THREADS; i++)
 		st_thread_join(w[i].th);
+	watch_end(&wt);
 	st_note("%d threads x %ld operations on %d keys: %ld grants, "
 		"%ld violations, %ld fence errors, %ld errors, "
 		"%ld errorcheck errors",
