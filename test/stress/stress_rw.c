@@ -34,7 +34,12 @@
  * nobody waits for a key nobody holds; and with the key held shared, the
  * head of its queue wants it exclusively (a shared request there is
  * grantable: once a holder gave the key back or a queued writer left
- * before it, it must have been granted already, not left parked).
+ * before it, it must have been granted already, not left parked).  In the
+ * first test it also keeps one FIFO queue per key honest through the
+ * fences: a request it saw waiting in a snapshot was queued before every
+ * request of that key that began after the snapshot (an epoch counter
+ * tells which), so if both were granted, its fence is the smaller, in
+ * whichever modes (no reader passes a queued writer, nor anyone another).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -45,6 +50,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "internal.h" /* kl__test_check_invariants */
 #include "table.h"    /* kl__table_hash, kl__table_new */
@@ -83,6 +90,7 @@ struct rw {
 	atomic_bool stop;
 	atomic_long violations, fence_errors, errors, invariant_errors;
 	atomic_long timeouts, cancels;
+	struct rw_watch *watch;
 };
 
 /* The snapshot watcher (see the top): the rows of the key being read and
@@ -97,7 +105,26 @@ struct rw_watch {
 	long snapshots, keys_seen, shared_heads_seen;
 	atomic_long bad;
 	char first[200]; /* the first bad state, for the message */
+	/* The FIFO check (NULL workers: none): the epoch, and the workers'
+	 * requests in kl_lock_acquire before the snapshot. */
+	struct rw_worker *workers;
+	int nworkers;
+	atomic_ulong epoch;
+	long pre[16];
+	long sightings;
 };
+
+/* A request of kl_lock_acquire that a worker logs for the FIFO check
+ * (see the top). */
+struct rw_req {
+	int key;
+	bool shared;
+	uint64_t epoch;	/* the watcher's epoch when it began */
+	uint64_t fence;	/* of its grant; 0: not granted */
+	atomic_ulong seen; /* the epoch after a snapshot that saw it wait */
+};
+
+#define RW_LOG 100000 /* requests each worker logs at most */
 
 struct rw_worker {
 	struct rw *x;
@@ -107,6 +134,11 @@ struct rw_worker {
 	struct rw_key *cur;
 	uint64_t fence;
 	long grants;
+	atomic_llong os_tid; /* gettid(), once it runs */
+	/* 1 + the request of the log in kl_lock_acquire now; 0 none */
+	atomic_long in_req;
+	long nlog;
+	struct rw_req *log;
 };
 
 static void
@@ -220,6 +252,21 @@ watch_row(const kl_lock_info *in, void *arg)
 	}
 	if (in->position != wt->pos++)
 		wt->order_bad = true;
+	for (int i = 0; i < wt->nworkers; i++) {
+		struct rw_worker *w = &wt->workers[i];
+
+		/* In the same kl_lock_acquire before and after the snapshot
+		 * (each waits once at a time): that request waited. */
+		if (atomic_load(&w->os_tid) == in->tid && wt->pre[i] != 0 &&
+		    atomic_load(&w->in_req) == wt->pre[i]) {
+			struct rw_req *q = &w->log[wt->pre[i] - 1];
+
+			/* The first snapshot that saw it says most. */
+			if (atomic_load(&q->seen) == 0)
+				atomic_store(&q->seen, UINT64_MAX);
+			wt->sightings++;
+		}
+	}
 	if (wt->waiters++ == 0)
 		wt->head_shared = in->shared;
 	return 0;
@@ -231,24 +278,118 @@ watch_main(void *arg)
 	struct rw_watch *wt = arg;
 
 	while (!atomic_load(&wt->stop)) {
+		uint64_t epoch;
+
 		wt->key[0] = '\0';
+		for (int i = 0; i < wt->nworkers; i++)
+			wt->pre[i] = atomic_load(&wt->workers[i].in_req);
 		if (kl_provider_snapshot(wt->p, watch_row, wt, NULL) != KL_OK &&
 		    atomic_fetch_add(&wt->bad, 1) == 0)
 			snprintf(wt->first, sizeof wt->first,
 				 "kl_provider_snapshot failed");
 		watch_key_end(wt);
+		/* Every request that reads the new epoch begins after the
+		 * snapshot: behind those it saw waiting. */
+		epoch = atomic_fetch_add(&wt->epoch, 1) + 1;
+		for (int i = 0; i < wt->nworkers; i++) {
+			struct rw_req *q;
+
+			if (wt->pre[i] == 0)
+				continue;
+			q = &wt->workers[i].log[wt->pre[i] - 1];
+			if (atomic_load(&q->seen) == UINT64_MAX)
+				atomic_store(&q->seen, epoch);
+		}
 		wt->snapshots++;
 		sched_yield();
 	}
 	return NULL;
 }
 
+/* Starts the watcher of p; workers (NULL: no FIFO check) are those whose
+ * requests it looks for. */
 static void
-watch_start(struct rw_watch *wt, kl_provider *p)
+watch_start(struct rw_watch *wt, kl_provider *p, struct rw_worker *workers,
+	    int nworkers)
 {
 	memset(wt, 0, sizeof *wt);
 	wt->p = p;
+	wt->workers = workers;
+	wt->nworkers = workers != NULL ? nworkers : 0;
+	st_assert(wt->nworkers <= (int)(sizeof wt->pre / sizeof wt->pre[0]),
+		  "%d workers", nworkers);
 	st_thread_start(&wt->th, 0, watch_main, wt);
+}
+
+static int
+req_by_epoch(const void *a, const void *b)
+{
+	const struct rw_req *x = *(const struct rw_req *const *)a;
+	const struct rw_req *y = *(const struct rw_req *const *)b;
+
+	return x->epoch < y->epoch ? -1 : x->epoch > y->epoch;
+}
+
+/* The FIFO check of key k over the workers' logs (see the top): returns
+ * how many requests broke it, the first in *msg; *pairs counts the
+ * requests seen waiting that were granted, and *after those of them that
+ * a request begun after the sighting followed. */
+static long
+fifo_check(struct rw_watch *wt, int k, char *msg, size_t size, long *pairs,
+	   long *after)
+{
+	struct rw_req **g;
+	uint64_t *min;
+	size_t n = 0, m = 0;
+	long bad = 0;
+
+	for (int i = 0; i < wt->nworkers; i++)
+		n += (size_t)wt->workers[i].nlog;
+	g = calloc(n + 1, sizeof *g);
+	min = calloc(n + 1, sizeof *min);
+	st_assert(g != NULL && min != NULL, "out of memory");
+	for (int i = 0; i < wt->nworkers; i++)
+		for (long j = 0; j < wt->workers[i].nlog; j++) {
+			struct rw_req *q = &wt->workers[i].log[j];
+
+			if (q->key == k && q->fence != 0)
+				g[m++] = q;
+		}
+	qsort(g, m, sizeof *g, req_by_epoch);
+	/* min[i]: the smallest fence of the requests from i on. */
+	min[m] = UINT64_MAX;
+	for (size_t i = m; i-- > 0;)
+		min[i] = g[i]->fence < min[i + 1] ? g[i]->fence : min[i + 1];
+	for (size_t i = 0; i < m; i++) {
+		uint64_t seen = atomic_load(&g[i]->seen);
+		size_t lo = 0, hi = m;
+
+		if (seen == 0 || seen == UINT64_MAX)
+			continue;
+		++*pairs;
+		/* The first request that began at epoch seen or later. */
+		while (lo < hi) {
+			size_t mid = lo + (hi - lo) / 2;
+
+			if (g[mid]->epoch < seen)
+				lo = mid + 1;
+			else
+				hi = mid;
+		}
+		if (lo < m)
+			++*after;
+		if (min[lo] <= g[i]->fence && bad++ == 0)
+			snprintf(msg, size,
+				 "key %d: a request seen waiting (%s) got "
+				 "fence %llu, a request begun after that "
+				 "snapshot got %llu",
+				 k, g[i]->shared ? "shared" : "exclusive",
+				 (unsigned long long)g[i]->fence,
+				 (unsigned long long)min[lo]);
+	}
+	free(g);
+	free(min);
+	return bad;
 }
 
 /* Stops the watcher and asserts on what it saw. */
@@ -282,6 +423,7 @@ one_op(struct rw_worker *w, struct st_rng *r, long i)
 	kl_call call = { .key = key_names[k], .cancel = NULL };
 	unsigned how = (unsigned)st_below(r, 8);
 	kl_lease *lease = NULL;
+	struct rw_req *q = NULL;
 	kl_lock *l;
 	int rc;
 
@@ -307,7 +449,19 @@ one_op(struct rw_worker *w, struct st_rng *r, long i)
 		call.cancel = st_slot_token(&x->slots[w->idx], r);
 	if (!w->writer && how == 7)
 		st_slot_fire(&x->slots[st_below(r, WRITERS)]);
+	if (x->watch != NULL && w->nlog < RW_LOG) {
+		q = &w->log[w->nlog++];
+		q->key = k;
+		q->shared = !w->writer;
+		q->fence = 0;
+		atomic_store(&q->seen, 0);
+		q->epoch = atomic_load(&x->watch->epoch);
+		atomic_store(&w->in_req, w->nlog);
+	}
 	rc = kl_lock_acquire(l, &call, &lease, NULL);
+	atomic_store(&w->in_req, 0);
+	if (rc == KL_OK && q != NULL)
+		q->fence = kl_lease_fence(lease);
 	if (rc == KL_ETIMEDOUT) {
 		atomic_fetch_add(&x->timeouts, 1);
 		return;
@@ -338,6 +492,7 @@ reader_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
+	atomic_store(&w->os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5200 + (uint64_t)w->idx);
 	/* Every reader holds the first key at once before anything else. */
 	if (kl_lock_acquire(x->r_forever, &call, &lease, NULL) != KL_OK) {
@@ -368,6 +523,7 @@ writer_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
+	atomic_store(&w->os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5700 + (uint64_t)w->idx);
 	if (!st_poll(rw_started, x, 60000 * st_slow()))
 		atomic_fetch_add(&x->errors, 1);
@@ -417,7 +573,12 @@ START_TEST(test_readers_writers)
 	x.w_timed = rw_lock(x.p, 0, 1);
 	for (int i = 0; i < WRITERS; i++)
 		st_slot_init(&x.slots[i]);
-	watch_start(&wt, x.p);
+	for (int i = 0; i < READERS + WRITERS; i++) {
+		w[i].log = calloc(RW_LOG, sizeof *w[i].log);
+		st_assert(w[i].log != NULL, "out of memory");
+	}
+	watch_start(&wt, x.p, w, READERS + WRITERS);
+	x.watch = &wt;
 	for (int i = 0; i < READERS + WRITERS; i++) {
 		w[i].x = &x;
 		w[i].writer = i >= READERS;
@@ -439,6 +600,19 @@ START_TEST(test_readers_writers)
 			wgrants += w[i].grants;
 	}
 	watch_end(&wt);
+	for (int k = 0; k < NKEYS; k++) {
+		char msg[200] = "";
+		long bad, pairs = 0, after = 0;
+
+		bad = fifo_check(&wt, k, msg, sizeof msg, &pairs, &after);
+		st_note("FIFO, key %d: %ld granted requests seen waiting, %ld "
+			"of them before a request begun later, %ld out of "
+			"order", k, pairs, after, bad);
+		st_assert(bad == 0, "%ld requests passed one queued before "
+			  "them; first: %s", bad, msg);
+	}
+	for (int i = 0; i < READERS + WRITERS; i++)
+		free(w[i].log);
 	for (int k = 0; k < NKEYS; k++) {
 		reads += atomic_load(&x.keys[k].reads);
 		writes += atomic_load(&x.keys[k].writes);
@@ -667,7 +841,7 @@ START_TEST(test_colliding_keys)
 					(a ? KL_SHARED : 0) |
 						(c ? KL_ERRORCHECK : 0),
 					timeouts[b]);
-	watch_start(&wt, x.p);
+	watch_start(&wt, x.p, NULL, 0);
 	for (int i = 0; i < CL_THREADS; i++) {
 		w[i].x = &x;
 		w[i].idx = i;
