@@ -105,10 +105,10 @@ struct rw_watch {
 	long snapshots, keys_seen, shared_heads_seen;
 	atomic_long bad;
 	char first[200]; /* the first bad state, for the message */
-	/* The FIFO check (NULL workers: none): the epoch, and the workers'
+	/* The FIFO check (ntracks 0: none): the epoch, and the workers'
 	 * requests in kl_lock_acquire before the snapshot. */
-	struct rw_worker *workers;
-	int nworkers;
+	struct rw_track *tracks[16];
+	int ntracks;
 	atomic_ulong epoch;
 	long pre[16];
 	long sightings;
@@ -126,6 +126,15 @@ struct rw_req {
 
 #define RW_LOG 100000 /* requests each worker logs at most */
 
+/* A worker's requests, for the FIFO check. */
+struct rw_track {
+	atomic_llong os_tid; /* gettid(), once it runs */
+	/* 1 + the request of the log in kl_lock_acquire now; 0 none */
+	atomic_long in_req;
+	long nlog;
+	struct rw_req *log;
+};
+
 struct rw_worker {
 	struct rw *x;
 	int idx;
@@ -134,11 +143,7 @@ struct rw_worker {
 	struct rw_key *cur;
 	uint64_t fence;
 	long grants;
-	atomic_llong os_tid; /* gettid(), once it runs */
-	/* 1 + the request of the log in kl_lock_acquire now; 0 none */
-	atomic_long in_req;
-	long nlog;
-	struct rw_req *log;
+	struct rw_track t;
 };
 
 static void
@@ -252,8 +257,8 @@ watch_row(const kl_lock_info *in, void *arg)
 	}
 	if (in->position != wt->pos++)
 		wt->order_bad = true;
-	for (int i = 0; i < wt->nworkers; i++) {
-		struct rw_worker *w = &wt->workers[i];
+	for (int i = 0; i < wt->ntracks; i++) {
+		struct rw_track *w = wt->tracks[i];
 
 		/* In the same kl_lock_acquire before and after the snapshot
 		 * (each waits once at a time): that request waited. */
@@ -281,8 +286,8 @@ watch_main(void *arg)
 		uint64_t epoch;
 
 		wt->key[0] = '\0';
-		for (int i = 0; i < wt->nworkers; i++)
-			wt->pre[i] = atomic_load(&wt->workers[i].in_req);
+		for (int i = 0; i < wt->ntracks; i++)
+			wt->pre[i] = atomic_load(&wt->tracks[i]->in_req);
 		if (kl_provider_snapshot(wt->p, watch_row, wt, NULL) != KL_OK &&
 		    atomic_fetch_add(&wt->bad, 1) == 0)
 			snprintf(wt->first, sizeof wt->first,
@@ -291,12 +296,12 @@ watch_main(void *arg)
 		/* Every request that reads the new epoch begins after the
 		 * snapshot: behind those it saw waiting. */
 		epoch = atomic_fetch_add(&wt->epoch, 1) + 1;
-		for (int i = 0; i < wt->nworkers; i++) {
+		for (int i = 0; i < wt->ntracks; i++) {
 			struct rw_req *q;
 
 			if (wt->pre[i] == 0)
 				continue;
-			q = &wt->workers[i].log[wt->pre[i] - 1];
+			q = &wt->tracks[i]->log[wt->pre[i] - 1];
 			if (atomic_load(&q->seen) == UINT64_MAX)
 				atomic_store(&q->seen, epoch);
 		}
@@ -306,18 +311,55 @@ watch_main(void *arg)
 	return NULL;
 }
 
-/* Starts the watcher of p; workers (NULL: no FIFO check) are those whose
- * requests it looks for. */
+/* Makes the log of track t. */
 static void
-watch_start(struct rw_watch *wt, kl_provider *p, struct rw_worker *workers,
-	    int nworkers)
+track_init(struct rw_track *t)
+{
+	memset(t, 0, sizeof *t);
+	t->log = calloc(RW_LOG, sizeof *t->log);
+	st_assert(t->log != NULL, "out of memory");
+}
+
+/* Logs a request of key k in t before the call (NULL: not logged). */
+static struct rw_req *
+track_begin(struct rw_track *t, struct rw_watch *wt, int k, bool shared)
+{
+	struct rw_req *q;
+
+	if (wt == NULL || t->nlog == RW_LOG)
+		return NULL;
+	q = &t->log[t->nlog++];
+	q->key = k;
+	q->shared = shared;
+	q->fence = 0;
+	atomic_store(&q->seen, 0);
+	q->epoch = atomic_load(&wt->epoch);
+	atomic_store(&t->in_req, t->nlog);
+	return q;
+}
+
+/* Logs the outcome of request q (NULL: not logged) of t. */
+static void
+track_end(struct rw_track *t, struct rw_req *q, int rc, kl_lease *lease)
+{
+	atomic_store(&t->in_req, 0);
+	if (rc == KL_OK && q != NULL)
+		q->fence = kl_lease_fence(lease);
+}
+
+/* Starts the watcher of p; it looks for the requests of the n tracks in
+ * snapshots (n 0: no FIFO check). */
+static void
+watch_start(struct rw_watch *wt, kl_provider *p, struct rw_track **tracks,
+	    int n)
 {
 	memset(wt, 0, sizeof *wt);
 	wt->p = p;
-	wt->workers = workers;
-	wt->nworkers = workers != NULL ? nworkers : 0;
-	st_assert(wt->nworkers <= (int)(sizeof wt->pre / sizeof wt->pre[0]),
-		  "%d workers", nworkers);
+	st_assert(n <= (int)(sizeof wt->pre / sizeof wt->pre[0]),
+		  "%d workers", n);
+	for (int i = 0; i < n; i++)
+		wt->tracks[i] = tracks[i];
+	wt->ntracks = n;
 	st_thread_start(&wt->th, 0, watch_main, wt);
 }
 
@@ -331,9 +373,10 @@ req_by_epoch(const void *a, const void *b)
 }
 
 /* The FIFO check of key k over the workers' logs (see the top): returns
- * how many requests broke it, the first in *msg; *pairs counts the
- * requests seen waiting that were granted, and *after those of them that
- * a request begun after the sighting followed. */
+ * how many requests broke it, the first in msg unless msg has a message
+ * already; *pairs counts the requests seen waiting that were granted, and
+ * *after those of them that a request begun after the sighting
+ * followed. */
 static long
 fifo_check(struct rw_watch *wt, int k, char *msg, size_t size, long *pairs,
 	   long *after)
@@ -343,14 +386,14 @@ fifo_check(struct rw_watch *wt, int k, char *msg, size_t size, long *pairs,
 	size_t n = 0, m = 0;
 	long bad = 0;
 
-	for (int i = 0; i < wt->nworkers; i++)
-		n += (size_t)wt->workers[i].nlog;
+	for (int i = 0; i < wt->ntracks; i++)
+		n += (size_t)wt->tracks[i]->nlog;
 	g = calloc(n + 1, sizeof *g);
 	min = calloc(n + 1, sizeof *min);
 	st_assert(g != NULL && min != NULL, "out of memory");
-	for (int i = 0; i < wt->nworkers; i++)
-		for (long j = 0; j < wt->workers[i].nlog; j++) {
-			struct rw_req *q = &wt->workers[i].log[j];
+	for (int i = 0; i < wt->ntracks; i++)
+		for (long j = 0; j < wt->tracks[i]->nlog; j++) {
+			struct rw_req *q = &wt->tracks[i]->log[j];
 
 			if (q->key == k && q->fence != 0)
 				g[m++] = q;
@@ -378,7 +421,7 @@ fifo_check(struct rw_watch *wt, int k, char *msg, size_t size, long *pairs,
 		}
 		if (lo < m)
 			++*after;
-		if (min[lo] <= g[i]->fence && bad++ == 0)
+		if (min[lo] <= g[i]->fence && bad++ == 0 && msg[0] == '\0')
 			snprintf(msg, size,
 				 "key %d: a request seen waiting (%s) got "
 				 "fence %llu, a request begun after that "
@@ -404,6 +447,22 @@ watch_end(struct rw_watch *wt)
 		atomic_load(&wt->bad));
 	st_assert(atomic_load(&wt->bad) == 0, "%ld bad queue states, first: %s",
 		  atomic_load(&wt->bad), wt->first);
+}
+
+/* fifo_check of keys 0 to n - 1, with its assertion. */
+static void
+fifo_check_all(struct rw_watch *wt, int n)
+{
+	char msg[200] = "";
+	long bad = 0, pairs = 0, after = 0;
+
+	for (int k = 0; k < n; k++)
+		bad += fifo_check(wt, k, msg, sizeof msg, &pairs, &after);
+	st_note("FIFO: %ld granted requests seen waiting, %ld of them "
+		"before a request begun later, %ld out of order",
+		pairs, after, bad);
+	st_assert(bad == 0, "%ld requests passed one queued before them; "
+		  "first: %s", bad, msg);
 }
 
 static bool
@@ -449,19 +508,9 @@ one_op(struct rw_worker *w, struct st_rng *r, long i)
 		call.cancel = st_slot_token(&x->slots[w->idx], r);
 	if (!w->writer && how == 7)
 		st_slot_fire(&x->slots[st_below(r, WRITERS)]);
-	if (x->watch != NULL && w->nlog < RW_LOG) {
-		q = &w->log[w->nlog++];
-		q->key = k;
-		q->shared = !w->writer;
-		q->fence = 0;
-		atomic_store(&q->seen, 0);
-		q->epoch = atomic_load(&x->watch->epoch);
-		atomic_store(&w->in_req, w->nlog);
-	}
+	q = track_begin(&w->t, x->watch, k, !w->writer);
 	rc = kl_lock_acquire(l, &call, &lease, NULL);
-	atomic_store(&w->in_req, 0);
-	if (rc == KL_OK && q != NULL)
-		q->fence = kl_lease_fence(lease);
+	track_end(&w->t, q, rc, lease);
 	if (rc == KL_ETIMEDOUT) {
 		atomic_fetch_add(&x->timeouts, 1);
 		return;
@@ -492,7 +541,7 @@ reader_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
-	atomic_store(&w->os_tid, (long long)syscall(SYS_gettid));
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5200 + (uint64_t)w->idx);
 	/* Every reader holds the first key at once before anything else. */
 	if (kl_lock_acquire(x->r_forever, &call, &lease, NULL) != KL_OK) {
@@ -523,7 +572,7 @@ writer_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
-	atomic_store(&w->os_tid, (long long)syscall(SYS_gettid));
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5700 + (uint64_t)w->idx);
 	if (!st_poll(rw_started, x, 60000 * st_slow()))
 		atomic_fetch_add(&x->errors, 1);
@@ -557,6 +606,7 @@ START_TEST(test_readers_writers)
 	static struct rw x;
 	static struct rw_worker w[READERS + WRITERS];
 	static struct rw_watch wt;
+	struct rw_track *tracks[READERS + WRITERS];
 	long reads = 0, writes = 0, wgrants = 0;
 	bool done;
 
@@ -574,10 +624,10 @@ START_TEST(test_readers_writers)
 	for (int i = 0; i < WRITERS; i++)
 		st_slot_init(&x.slots[i]);
 	for (int i = 0; i < READERS + WRITERS; i++) {
-		w[i].log = calloc(RW_LOG, sizeof *w[i].log);
-		st_assert(w[i].log != NULL, "out of memory");
+		track_init(&w[i].t);
+		tracks[i] = &w[i].t;
 	}
-	watch_start(&wt, x.p, w, READERS + WRITERS);
+	watch_start(&wt, x.p, tracks, READERS + WRITERS);
 	x.watch = &wt;
 	for (int i = 0; i < READERS + WRITERS; i++) {
 		w[i].x = &x;
@@ -600,19 +650,9 @@ START_TEST(test_readers_writers)
 			wgrants += w[i].grants;
 	}
 	watch_end(&wt);
-	for (int k = 0; k < NKEYS; k++) {
-		char msg[200] = "";
-		long bad, pairs = 0, after = 0;
-
-		bad = fifo_check(&wt, k, msg, sizeof msg, &pairs, &after);
-		st_note("FIFO, key %d: %ld granted requests seen waiting, %ld "
-			"of them before a request begun later, %ld out of "
-			"order", k, pairs, after, bad);
-		st_assert(bad == 0, "%ld requests passed one queued before "
-			  "them; first: %s", bad, msg);
-	}
+	fifo_check_all(&wt, NKEYS);
 	for (int i = 0; i < READERS + WRITERS; i++)
-		free(w[i].log);
+		free(w[i].t.log);
 	for (int k = 0; k < NKEYS; k++) {
 		reads += atomic_load(&x.keys[k].reads);
 		writes += atomic_load(&x.keys[k].writes);
@@ -679,12 +719,14 @@ struct cl {
 	long ops;
 	atomic_long violations, fence_errors, errors, errorcheck_errors,
 		invariant_errors, grants;
+	struct rw_watch *watch;
 };
 
 struct cl_worker {
 	struct cl *x;
 	int idx;
 	pthread_t th;
+	struct rw_track t;
 };
 
 /* Fills x->names: per group, CL_SHORT short keys that the provider's table
@@ -771,6 +813,7 @@ cl_main(void *arg)
 	struct st_rng r;
 	struct st_slot tok;
 
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5c00 + (uint64_t)w->idx);
 	st_slot_init(&tok);
 	for (long i = 0; i < x->ops; i++) {
@@ -779,6 +822,7 @@ cl_main(void *arg)
 		kl_call call = { .key = x->names[k], .cancel = NULL };
 		kl_lease *lease = NULL, *again = NULL;
 		kl_lock *l = x->l[sh][st_below(&r, 3)][st_below(&r, 4) == 0];
+		struct rw_req *q;
 		int rc;
 
 		/* With a token, a shared request goes through the lock (no
@@ -788,7 +832,9 @@ cl_main(void *arg)
 			if (st_below(&r, 2) == 0)
 				st_slot_fire(&tok);
 		}
+		q = track_begin(&w->t, x->watch, k, sh);
 		rc = kl_lock_acquire(l, &call, &lease, NULL);
+		track_end(&w->t, q, rc, lease);
 		if (rc == KL_ETIMEDOUT || rc == KL_ECANCELED)
 			continue;
 		if (rc != KL_OK) {
@@ -826,6 +872,7 @@ START_TEST(test_colliding_keys)
 	static struct cl x;
 	static struct cl_worker w[CL_THREADS];
 	static struct rw_watch wt;
+	struct rw_track *tracks[CL_THREADS];
 	const int64_t timeouts[3] = { KL_FOREVER, 0, 1 };
 
 	st_begin("keys sharing slots: exclusion, fences, errorcheck");
@@ -841,7 +888,12 @@ START_TEST(test_colliding_keys)
 					(a ? KL_SHARED : 0) |
 						(c ? KL_ERRORCHECK : 0),
 					timeouts[b]);
-	watch_start(&wt, x.p, NULL, 0);
+	for (int i = 0; i < CL_THREADS; i++) {
+		track_init(&w[i].t);
+		tracks[i] = &w[i].t;
+	}
+	watch_start(&wt, x.p, tracks, CL_THREADS);
+	x.watch = &wt;
 	for (int i = 0; i < CL_THREADS; i++) {
 		w[i].x = &x;
 		w[i].idx = i;
@@ -850,6 +902,9 @@ START_TEST(test_colliding_keys)
 	for (int i = 0; i < CL_THREADS; i++)
 		st_thread_join(w[i].th);
 	watch_end(&wt);
+	fifo_check_all(&wt, CL_KEYS);
+	for (int i = 0; i < CL_THREADS; i++)
+		free(w[i].t.log);
 	st_note("%d threads x %ld operations on %d keys: %ld grants, "
 		"%ld violations, %ld fence errors, %ld errors, "
 		"%ld errorcheck errors",
