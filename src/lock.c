@@ -14,6 +14,7 @@
  */
 #include "config.h"
 
+#include <limits.h>
 #include <string.h>
 
 #include "internal.h"
@@ -111,6 +112,11 @@ in_entry(const kl_lock *l)
 
 _Static_assert(_Alignof(kl_lock) > LEASE_MARKS,
 	       "a kl_lock pointer has room for the lease marks");
+/* A fence has up to 64 - KL__ENTRY_FENCE_SHIFT bits: a 32-bit word would
+ * lose the high ones of a lone holder's, and its fences would go back. */
+_Static_assert(sizeof(uintptr_t) * CHAR_BIT >=
+		       64 - KL__ENTRY_FENCE_SHIFT + SOLO_FENCE_SHIFT,
+	       "the solo word has room for a fence and the lease marks");
 
 static uintptr_t
 lease_word(const kl_lease *lease)

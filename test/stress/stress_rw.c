@@ -27,6 +27,19 @@
  * chain marks, unchains and the floors of fences; now and then a holder
  * asks for its own key again with KL_ERRORCHECK, which must say
  * KL_EDEADLK in either mode.
+ *
+ * Meanwhile a watcher takes snapshots of the provider over and over, and
+ * checks every key's queue state in each (its rows are read under its
+ * shard's lock, at one moment): an exclusive holder is the only holder;
+ * nobody waits for a key nobody holds; and with the key held shared, the
+ * head of its queue wants it exclusively (a shared request there is
+ * grantable: once a holder gave the key back or a queued writer left
+ * before it, it must have been granted already, not left parked).  In the
+ * first test it also keeps one FIFO queue per key honest through the
+ * fences: a request it saw waiting in a snapshot was queued before every
+ * request of that key that began after the snapshot (an epoch counter
+ * tells which), so if both were granted, its fence is the smaller, in
+ * whichever modes (no reader passes a queued writer, nor anyone another).
  */
 #ifdef HAVE_CONFIG_H
 #include "config.h"
@@ -37,6 +50,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "internal.h" /* kl__test_check_invariants */
 #include "table.h"    /* kl__table_hash, kl__table_new */
@@ -75,6 +90,49 @@ struct rw {
 	atomic_bool stop;
 	atomic_long violations, fence_errors, errors, invariant_errors;
 	atomic_long timeouts, cancels;
+	struct rw_watch *watch;
+};
+
+/* The snapshot watcher (see the top): the rows of the key being read and
+ * what they broke.  A key's rows come together, its holders first. */
+struct rw_watch {
+	kl_provider *p;
+	pthread_t th;
+	atomic_bool stop;
+	char key[64]; /* the key whose rows are being read ("" none) */
+	size_t holders, exclusive, waiters, pos;
+	bool head_shared, order_bad;
+	long snapshots, keys_seen, shared_heads_seen;
+	atomic_long bad;
+	char first[200]; /* the first bad state, for the message */
+	/* The FIFO check (ntracks 0: none): the epoch, and the workers'
+	 * requests in kl_lock_acquire before the snapshot. */
+	struct rw_track *tracks[16];
+	int ntracks;
+	atomic_ulong epoch;
+	long pre[16];
+	long sightings;
+};
+
+/* A request of kl_lock_acquire that a worker logs for the FIFO check
+ * (see the top). */
+struct rw_req {
+	int key;
+	bool shared;
+	uint64_t epoch;	/* the watcher's epoch when it began */
+	uint64_t fence;	/* of its grant; 0: not granted */
+	atomic_ulong seen; /* the epoch after a snapshot that saw it wait */
+};
+
+#define RW_LOG 100000 /* requests each worker logs at most */
+
+/* A worker's requests, for the FIFO check. */
+struct rw_track {
+	atomic_llong os_tid; /* gettid(), once it runs */
+	/* 1 + the request of the log in kl_lock_acquire now; 0 none */
+	atomic_long in_req;
+	long nlog;
+	struct rw_req *log;
 };
 
 struct rw_worker {
@@ -85,6 +143,7 @@ struct rw_worker {
 	struct rw_key *cur;
 	uint64_t fence;
 	long grants;
+	struct rw_track t;
 };
 
 static void
@@ -147,6 +206,265 @@ run_fn(void *arg)
 	return 0;
 }
 
+/* Checks the rows read of wt->key, and forgets them. */
+static void
+watch_key_end(struct rw_watch *wt)
+{
+	const char *why = NULL;
+
+	if (wt->key[0] == '\0')
+		return;
+	wt->keys_seen++;
+	if (wt->exclusive != 0 && wt->holders != 1)
+		why = "an exclusive holder beside others";
+	else if (wt->waiters != 0 && wt->holders == 0)
+		why = "waiters and no holder";
+	else if (wt->waiters != 0 && wt->exclusive == 0 && wt->head_shared)
+		why = "held shared, and a shared request waits at the head";
+	else if (wt->order_bad)
+		why = "rows out of order (holders first, then positions "
+		      "0, 1, ...)";
+	if (wt->waiters != 0 && wt->exclusive == 0 && !wt->head_shared)
+		wt->shared_heads_seen++;
+	if (why != NULL && atomic_fetch_add(&wt->bad, 1) == 0)
+		snprintf(wt->first, sizeof wt->first,
+			 "key '%s': %s (%zu holders, %zu exclusive, %zu "
+			 "waiters, head %s)",
+			 wt->key, why, wt->holders, wt->exclusive,
+			 wt->waiters, wt->head_shared ? "shared" : "exclusive");
+	wt->key[0] = '\0';
+}
+
+static int
+watch_row(const kl_lock_info *in, void *arg)
+{
+	struct rw_watch *wt = arg;
+
+	if (in->key == NULL || strcmp(in->key, wt->key) != 0) {
+		watch_key_end(wt);
+		snprintf(wt->key, sizeof wt->key, "%s",
+			 in->key != NULL ? in->key : "?");
+		wt->holders = wt->exclusive = wt->waiters = wt->pos = 0;
+		wt->head_shared = wt->order_bad = false;
+	}
+	if (!in->waiting) {
+		if (wt->waiters != 0)
+			wt->order_bad = true;
+		wt->holders++;
+		if (!in->shared)
+			wt->exclusive++;
+		return 0;
+	}
+	if (in->position != wt->pos++)
+		wt->order_bad = true;
+	for (int i = 0; i < wt->ntracks; i++) {
+		struct rw_track *w = wt->tracks[i];
+
+		/* In the same kl_lock_acquire before and after the snapshot
+		 * (each waits once at a time): that request waited. */
+		if (atomic_load(&w->os_tid) == in->tid && wt->pre[i] != 0 &&
+		    atomic_load(&w->in_req) == wt->pre[i]) {
+			struct rw_req *q = &w->log[wt->pre[i] - 1];
+
+			/* The first snapshot that saw it says most. */
+			if (atomic_load(&q->seen) == 0)
+				atomic_store(&q->seen, UINT64_MAX);
+			wt->sightings++;
+		}
+	}
+	if (wt->waiters++ == 0)
+		wt->head_shared = in->shared;
+	return 0;
+}
+
+static void *
+watch_main(void *arg)
+{
+	struct rw_watch *wt = arg;
+
+	while (!atomic_load(&wt->stop)) {
+		uint64_t epoch;
+
+		wt->key[0] = '\0';
+		for (int i = 0; i < wt->ntracks; i++)
+			wt->pre[i] = atomic_load(&wt->tracks[i]->in_req);
+		if (kl_provider_snapshot(wt->p, watch_row, wt, NULL) != KL_OK &&
+		    atomic_fetch_add(&wt->bad, 1) == 0)
+			snprintf(wt->first, sizeof wt->first,
+				 "kl_provider_snapshot failed");
+		watch_key_end(wt);
+		/* Every request that reads the new epoch begins after the
+		 * snapshot: behind those it saw waiting. */
+		epoch = atomic_fetch_add(&wt->epoch, 1) + 1;
+		for (int i = 0; i < wt->ntracks; i++) {
+			struct rw_req *q;
+
+			if (wt->pre[i] == 0)
+				continue;
+			q = &wt->tracks[i]->log[wt->pre[i] - 1];
+			if (atomic_load(&q->seen) == UINT64_MAX)
+				atomic_store(&q->seen, epoch);
+		}
+		wt->snapshots++;
+		sched_yield();
+	}
+	return NULL;
+}
+
+/* Makes the log of track t. */
+static void
+track_init(struct rw_track *t)
+{
+	memset(t, 0, sizeof *t);
+	t->log = calloc(RW_LOG, sizeof *t->log);
+	st_assert(t->log != NULL, "out of memory");
+}
+
+/* Logs a request of key k in t before the call (NULL: not logged). */
+static struct rw_req *
+track_begin(struct rw_track *t, struct rw_watch *wt, int k, bool shared)
+{
+	struct rw_req *q;
+
+	if (wt == NULL || t->nlog == RW_LOG)
+		return NULL;
+	q = &t->log[t->nlog++];
+	q->key = k;
+	q->shared = shared;
+	q->fence = 0;
+	atomic_store(&q->seen, 0);
+	q->epoch = atomic_load(&wt->epoch);
+	atomic_store(&t->in_req, t->nlog);
+	return q;
+}
+
+/* Logs the outcome of request q (NULL: not logged) of t. */
+static void
+track_end(struct rw_track *t, struct rw_req *q, int rc, kl_lease *lease)
+{
+	atomic_store(&t->in_req, 0);
+	if (rc == KL_OK && q != NULL)
+		q->fence = kl_lease_fence(lease);
+}
+
+/* Starts the watcher of p; it looks for the requests of the n tracks in
+ * snapshots (n 0: no FIFO check). */
+static void
+watch_start(struct rw_watch *wt, kl_provider *p, struct rw_track **tracks,
+	    int n)
+{
+	memset(wt, 0, sizeof *wt);
+	wt->p = p;
+	st_assert(n <= (int)(sizeof wt->pre / sizeof wt->pre[0]),
+		  "%d workers", n);
+	for (int i = 0; i < n; i++)
+		wt->tracks[i] = tracks[i];
+	wt->ntracks = n;
+	st_thread_start(&wt->th, 0, watch_main, wt);
+}
+
+static int
+req_by_epoch(const void *a, const void *b)
+{
+	const struct rw_req *x = *(const struct rw_req *const *)a;
+	const struct rw_req *y = *(const struct rw_req *const *)b;
+
+	return x->epoch < y->epoch ? -1 : x->epoch > y->epoch;
+}
+
+/* The FIFO check of key k over the workers' logs (see the top): returns
+ * how many requests broke it, the first in msg unless msg has a message
+ * already; *pairs counts the requests seen waiting that were granted, and
+ * *after those of them that a request begun after the sighting
+ * followed. */
+static long
+fifo_check(struct rw_watch *wt, int k, char *msg, size_t size, long *pairs,
+	   long *after)
+{
+	struct rw_req **g;
+	uint64_t *min;
+	size_t n = 0, m = 0;
+	long bad = 0;
+
+	for (int i = 0; i < wt->ntracks; i++)
+		n += (size_t)wt->tracks[i]->nlog;
+	g = calloc(n + 1, sizeof *g);
+	min = calloc(n + 1, sizeof *min);
+	st_assert(g != NULL && min != NULL, "out of memory");
+	for (int i = 0; i < wt->ntracks; i++)
+		for (long j = 0; j < wt->tracks[i]->nlog; j++) {
+			struct rw_req *q = &wt->tracks[i]->log[j];
+
+			if (q->key == k && q->fence != 0)
+				g[m++] = q;
+		}
+	qsort(g, m, sizeof *g, req_by_epoch);
+	/* min[i]: the smallest fence of the requests from i on. */
+	min[m] = UINT64_MAX;
+	for (size_t i = m; i-- > 0;)
+		min[i] = g[i]->fence < min[i + 1] ? g[i]->fence : min[i + 1];
+	for (size_t i = 0; i < m; i++) {
+		uint64_t seen = atomic_load(&g[i]->seen);
+		size_t lo = 0, hi = m;
+
+		if (seen == 0 || seen == UINT64_MAX)
+			continue;
+		++*pairs;
+		/* The first request that began at epoch seen or later. */
+		while (lo < hi) {
+			size_t mid = lo + (hi - lo) / 2;
+
+			if (g[mid]->epoch < seen)
+				lo = mid + 1;
+			else
+				hi = mid;
+		}
+		if (lo < m)
+			++*after;
+		if (min[lo] <= g[i]->fence && bad++ == 0 && msg[0] == '\0')
+			snprintf(msg, size,
+				 "key %d: a request seen waiting (%s) got "
+				 "fence %llu, a request begun after that "
+				 "snapshot got %llu",
+				 k, g[i]->shared ? "shared" : "exclusive",
+				 (unsigned long long)g[i]->fence,
+				 (unsigned long long)min[lo]);
+	}
+	free(g);
+	free(min);
+	return bad;
+}
+
+/* Stops the watcher and asserts on what it saw. */
+static void
+watch_end(struct rw_watch *wt)
+{
+	atomic_store(&wt->stop, true);
+	st_thread_join(wt->th);
+	st_note("watcher: %ld snapshots, %ld key states, %ld with a writer "
+		"at the head of readers, %ld bad",
+		wt->snapshots, wt->keys_seen, wt->shared_heads_seen,
+		atomic_load(&wt->bad));
+	st_assert(atomic_load(&wt->bad) == 0, "%ld bad queue states, first: %s",
+		  atomic_load(&wt->bad), wt->first);
+}
+
+/* fifo_check of keys 0 to n - 1, with its assertion. */
+static void
+fifo_check_all(struct rw_watch *wt, int n)
+{
+	char msg[200] = "";
+	long bad = 0, pairs = 0, after = 0;
+
+	for (int k = 0; k < n; k++)
+		bad += fifo_check(wt, k, msg, sizeof msg, &pairs, &after);
+	st_note("FIFO: %ld granted requests seen waiting, %ld of them "
+		"before a request begun later, %ld out of order",
+		pairs, after, bad);
+	st_assert(bad == 0, "%ld requests passed one queued before them; "
+		  "first: %s", bad, msg);
+}
+
 static bool
 all_readers_inside(void *arg)
 {
@@ -164,6 +482,7 @@ one_op(struct rw_worker *w, struct st_rng *r, long i)
 	kl_call call = { .key = key_names[k], .cancel = NULL };
 	unsigned how = (unsigned)st_below(r, 8);
 	kl_lease *lease = NULL;
+	struct rw_req *q = NULL;
 	kl_lock *l;
 	int rc;
 
@@ -189,7 +508,9 @@ one_op(struct rw_worker *w, struct st_rng *r, long i)
 		call.cancel = st_slot_token(&x->slots[w->idx], r);
 	if (!w->writer && how == 7)
 		st_slot_fire(&x->slots[st_below(r, WRITERS)]);
+	q = track_begin(&w->t, x->watch, k, !w->writer);
 	rc = kl_lock_acquire(l, &call, &lease, NULL);
+	track_end(&w->t, q, rc, lease);
 	if (rc == KL_ETIMEDOUT) {
 		atomic_fetch_add(&x->timeouts, 1);
 		return;
@@ -220,6 +541,7 @@ reader_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5200 + (uint64_t)w->idx);
 	/* Every reader holds the first key at once before anything else. */
 	if (kl_lock_acquire(x->r_forever, &call, &lease, NULL) != KL_OK) {
@@ -250,6 +572,7 @@ writer_main(void *arg)
 	struct st_rng r;
 	long i = 0;
 
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5700 + (uint64_t)w->idx);
 	if (!st_poll(rw_started, x, 60000 * st_slow()))
 		atomic_fetch_add(&x->errors, 1);
@@ -282,6 +605,8 @@ START_TEST(test_readers_writers)
 {
 	static struct rw x;
 	static struct rw_worker w[READERS + WRITERS];
+	static struct rw_watch wt;
+	struct rw_track *tracks[READERS + WRITERS];
 	long reads = 0, writes = 0, wgrants = 0;
 	bool done;
 
@@ -298,6 +623,12 @@ START_TEST(test_readers_writers)
 	x.w_timed = rw_lock(x.p, 0, 1);
 	for (int i = 0; i < WRITERS; i++)
 		st_slot_init(&x.slots[i]);
+	for (int i = 0; i < READERS + WRITERS; i++) {
+		track_init(&w[i].t);
+		tracks[i] = &w[i].t;
+	}
+	watch_start(&wt, x.p, tracks, READERS + WRITERS);
+	x.watch = &wt;
 	for (int i = 0; i < READERS + WRITERS; i++) {
 		w[i].x = &x;
 		w[i].writer = i >= READERS;
@@ -318,6 +649,10 @@ START_TEST(test_readers_writers)
 		if (w[i].writer)
 			wgrants += w[i].grants;
 	}
+	watch_end(&wt);
+	fifo_check_all(&wt, NKEYS);
+	for (int i = 0; i < READERS + WRITERS; i++)
+		free(w[i].t.log);
 	for (int k = 0; k < NKEYS; k++) {
 		reads += atomic_load(&x.keys[k].reads);
 		writes += atomic_load(&x.keys[k].writes);
@@ -384,12 +719,14 @@ struct cl {
 	long ops;
 	atomic_long violations, fence_errors, errors, errorcheck_errors,
 		invariant_errors, grants;
+	struct rw_watch *watch;
 };
 
 struct cl_worker {
 	struct cl *x;
 	int idx;
 	pthread_t th;
+	struct rw_track t;
 };
 
 /* Fills x->names: per group, CL_SHORT short keys that the provider's table
@@ -476,6 +813,7 @@ cl_main(void *arg)
 	struct st_rng r;
 	struct st_slot tok;
 
+	atomic_store(&w->t.os_tid, (long long)syscall(SYS_gettid));
 	st_rng_init(&r, 0x5c00 + (uint64_t)w->idx);
 	st_slot_init(&tok);
 	for (long i = 0; i < x->ops; i++) {
@@ -484,6 +822,7 @@ cl_main(void *arg)
 		kl_call call = { .key = x->names[k], .cancel = NULL };
 		kl_lease *lease = NULL, *again = NULL;
 		kl_lock *l = x->l[sh][st_below(&r, 3)][st_below(&r, 4) == 0];
+		struct rw_req *q;
 		int rc;
 
 		/* With a token, a shared request goes through the lock (no
@@ -493,7 +832,9 @@ cl_main(void *arg)
 			if (st_below(&r, 2) == 0)
 				st_slot_fire(&tok);
 		}
+		q = track_begin(&w->t, x->watch, k, sh);
 		rc = kl_lock_acquire(l, &call, &lease, NULL);
+		track_end(&w->t, q, rc, lease);
 		if (rc == KL_ETIMEDOUT || rc == KL_ECANCELED)
 			continue;
 		if (rc != KL_OK) {
@@ -530,6 +871,8 @@ START_TEST(test_colliding_keys)
 {
 	static struct cl x;
 	static struct cl_worker w[CL_THREADS];
+	static struct rw_watch wt;
+	struct rw_track *tracks[CL_THREADS];
 	const int64_t timeouts[3] = { KL_FOREVER, 0, 1 };
 
 	st_begin("keys sharing slots: exclusion, fences, errorcheck");
@@ -546,12 +889,22 @@ START_TEST(test_colliding_keys)
 						(c ? KL_ERRORCHECK : 0),
 					timeouts[b]);
 	for (int i = 0; i < CL_THREADS; i++) {
+		track_init(&w[i].t);
+		tracks[i] = &w[i].t;
+	}
+	watch_start(&wt, x.p, tracks, CL_THREADS);
+	x.watch = &wt;
+	for (int i = 0; i < CL_THREADS; i++) {
 		w[i].x = &x;
 		w[i].idx = i;
 		st_thread_start(&w[i].th, 0, cl_main, &w[i]);
 	}
 	for (int i = 0; i < CL_THREADS; i++)
 		st_thread_join(w[i].th);
+	watch_end(&wt);
+	fifo_check_all(&wt, CL_KEYS);
+	for (int i = 0; i < CL_THREADS; i++)
+		free(w[i].t.log);
 	st_note("%d threads x %ld operations on %d keys: %ld grants, "
 		"%ld violations, %ld fence errors, %ld errors, "
 		"%ld errorcheck errors",
