@@ -43,7 +43,7 @@ stage_stress() {
 	# whose results the counts show; a failure names its seed).
 	for seed in 1 2 3 4 5; do
 		KL_DEBUG_YIELD=1 KL_TEST_SEED=$seed KL_TEST_SCALE=0.05 \
-			mk "$PLAIN" check-stress KL_STRESS="test/stress/stress_mutex test/stress/stress_timing test/stress/stress_hunt test/stress/stress_table" || {
+			mk "$PLAIN" check-stress KL_STRESS="test/stress/stress_mutex test/stress/stress_timing test/stress/stress_hunt test/stress/stress_table test/stress/stress_rw" || {
 			rc=1
 			why="$why debug-yield seed $seed;"
 			say "error: stress with KL_DEBUG_YIELD=1 KL_TEST_SEED=$seed failed" >&2
