@@ -1875,13 +1875,16 @@ START_TEST(test_bad_uris)
 		"redis://u:Canary-6%zz@127.0.0.1:6379/0",
 		"redis://u:Canary-7@[::1/0",
 		"redis://u:Canary-8@127.0.0.1:6379/0?heartbeat=forever",
+		/* A snapshot could not name the locks of this prefix: each
+		 * detail would end at the NUL, before the key's digest. */
+		"redis://u:Canary-9@127.0.0.1:6379/0?prefix=kl%00x:",
 	};
 
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
 		open_fails(bad[i], KL_EINVAL, "redis provider", 100);
 	/* TLS (check_redis_tls tests it): an unusable CA file, or a build
 	 * without TLS, is refused before connecting. */
-	open_fails("rediss://u:Canary-9@127.0.0.1:6379/0?tls_ca=/nonexistent/"
+	open_fails("rediss://u:Canary-10@127.0.0.1:6379/0?tls_ca=/nonexistent/"
 		   "ca.pem",
 		   KL_EPROVIDER, "redis provider", 1000);
 }
