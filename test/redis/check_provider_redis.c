@@ -1647,6 +1647,112 @@ START_TEST(test_snapshot)
 }
 END_TEST
 
+/* The entries of a snapshot, all of them. */
+struct snap_all {
+	size_t n, bad;
+	char (*detail)[200];
+};
+
+static int
+snap_all_fn(const kl_lock_info *info, void *arg)
+{
+	struct snap_all *s = arg;
+
+	if (info->detail == NULL || s->n == 400) {
+		s->bad++;
+		return 0;
+	}
+	snprintf(s->detail[s->n++], 200, "%s", info->detail);
+	return 0;
+}
+
+static int
+detail_cmp(const void *a, const void *b)
+{
+	return strcmp(a, b);
+}
+
+/* A prefix made of every glob character of SCAN MATCH, a backslash and a
+ * control byte; 300 keys held, more than a page of SCAN, and one more
+ * held shared by two and waited for.  The snapshot lists every entry
+ * under the Redis key name of its own key, and nothing of a prefix that
+ * the pattern would match were its characters not escaped. */
+START_TEST(test_snapshot_hostile_prefix)
+{
+	char save[64], want[96], uri[1024], other[1024], name[160];
+	static struct hold h[300];
+	static char details[400][200];
+	struct snap_all sn = { 0, 0, details };
+	struct hold s1, s2, o;
+	struct waiter x;
+	kl_provider *p, *q;
+	kl_error err;
+	size_t distinct = 1;
+	int rc, n;
+
+	memset(&x, 0, sizeof x);
+	snprintf(save, sizeof save, "%s", g_prefix);
+	snprintf(uri, sizeof uri, "%s%cprefix=%s%%5B%%2A%%3F%%5D%%5C%%01:"
+		 "&restart_guard=0",
+		 g_uri, strchr(g_uri, '?') != NULL ? '&' : '?', save);
+	/* Matched by "[*?]\\\x01:{*" unescaped (a class, then an escaped
+	 * control byte). */
+	snprintf(other, sizeof other, "%s%cprefix=%s%%3F%%01:&restart_guard=0",
+		 g_uri, strchr(g_uri, '?') != NULL ? '&' : '?', save);
+	p = test_provider_open(uri);
+	q = test_provider_open(other);
+	take_ok(q, "k0", 0, &o);
+	for (int i = 0; i < 300; i++) {
+		char key[16];
+
+		snprintf(key, sizeof key, "k%d", i);
+		take_ok(p, key, 30000, &h[i]);
+	}
+	take_shared_ok(p, "w", 0, &s1);
+	take_shared_ok(p, "w", 0, &s2);
+	waiter_start_mode(&x, p, "w", 30000, 0, NULL);
+	wait_status(p, "w", 2, 1);
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_snapshot(p, snap_all_fn, &sn, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_uint_eq(sn.bad, 0);
+	ck_assert_uint_eq(sn.n, 303);
+	n = snprintf(want, sizeof want, "%s[*?]\\\x01:", save);
+	ck_assert(n > 0 && (size_t)n < sizeof g_prefix);
+	memcpy(g_prefix, want, (size_t)n + 1);
+	for (size_t i = 0; i < sn.n; i++)
+		ck_assert_msg(strncmp(sn.detail[i], g_prefix,
+				      strlen(g_prefix)) == 0 &&
+				      strlen(sn.detail[i]) ==
+					      strlen(g_prefix) + 66,
+			      "not a lock of the prefix: %s", sn.detail[i]);
+	qsort(sn.detail, sn.n, sizeof *sn.detail, detail_cmp);
+	for (size_t i = 1; i < sn.n; i++)
+		distinct += strcmp(sn.detail[i], sn.detail[i - 1]) != 0;
+	ck_assert_uint_eq(distinct, 301);
+	key_name(name, sizeof name, "w", "");
+	ck_assert_ptr_nonnull(bsearch(name, sn.detail, sn.n, sizeof *sn.detail,
+				      detail_cmp));
+	snprintf(g_prefix, sizeof g_prefix, "%s", save);
+
+	hold_free(&s1);
+	hold_free(&s2);
+	waiter_join(&x);
+	waiter_ok(&x, "X");
+	hold_free(&x.h);
+	for (int i = 0; i < 300; i++)
+		hold_free(&h[i]);
+	hold_free(&o);
+	sn.n = 0;
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_all_fn, &sn, &err),
+			 KL_OK);
+	ck_assert_uint_eq(sn.n, 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A pooled connection that the server closed meanwhile (its idle
  * "timeout", CLIENT KILL, a restart) costs a snapshot nothing, as it
  * costs status and release nothing: the command is sent again on a new
@@ -2733,6 +2839,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
 	tcase_add_test(tc, test_snapshot_after_idle_close);
+	tcase_add_test(tc, test_snapshot_hostile_prefix);
 	tc = tcase_new(s, "sets", 300);
 	tcase_add_test(tc, test_set_orders_clients);
 	tcase_add_test(tc, test_set_timeout_holds_nothing);
