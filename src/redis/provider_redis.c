@@ -220,7 +220,8 @@ guard_said(const struct kl__rlease *l, kl_error *err)
 		kl__error_set(err, KL_ETIMEDOUT,
 				"redis provider: no lock is granted for "
 				"another %lld ms: the server may have lost "
-				"locks in a restart (restart_guard)",
+				"locks (a restart, a flush, or a server or "
+				"prefix not used before: restart_guard)",
 				(long long)l->guard_left_ms);
 }
 
