@@ -1372,6 +1372,45 @@ START_TEST(test_shared_holder_expires)
 }
 END_TEST
 
+/* A shared holder's process stopped (SIGSTOP) for longer than its ttl,
+ * then continued: meanwhile an exclusive acquire is granted, once the
+ * stopped holder's lease ran out; continued, the old holder finds its
+ * lease lost (its renewal thread neither revives nor extends it), and
+ * its release takes nothing from the exclusive holder. */
+START_TEST(test_shared_holder_paused)
+{
+	char uri[1024], line[64];
+	const char *args[] = { "holdshared", uri, "sp", "1000", NULL };
+	kl_provider *p = open_default();
+	struct test_helper hp;
+	struct hold x;
+	kl_error err;
+	uint64_t hf;
+	int rc;
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	helper_spawn(&hp, args);
+	hf = test_helper_granted(&hp, TEST_POLL_LIMIT_MS);
+	ck_assert_int_eq(kill(hp.pid, SIGSTOP), 0);
+	rc = take(p, "sp", 20000, 0, NULL, &x, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_uint_gt(kl_lease_fence(x.lease), hf);
+	ck_assert_int_eq(kill(hp.pid, SIGCONT), 0);
+	ck_assert_int_eq(write(hp.to, "\n", 1), 1);
+	ck_assert(test_helper_line(&hp, line, sizeof line,
+				   TEST_POLL_LIMIT_MS));
+	ck_assert_str_eq(line, "R lost");
+	ck_assert_int_eq(WEXITSTATUS(helper_reap(&hp)), 0);
+	/* The exclusive holder alone, and still valid a ttl on. */
+	test_assert_status(p, "sp", 1, 0);
+	ck_assert(kl_lease_valid(x.lease));
+	hold_free(&x);
+	ck_assert_int_eq(tev_count(&x.ev, KL_EV_RELEASED), 1);
+	test_assert_status(p, "sp", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A shared holder that died (SIGKILL: no release) is swept out of the
  * shared holders' keys by the next shared grant: with shared grants
  * alone, and at least one a ttl, its entry would otherwise stay in :s and
@@ -2834,6 +2873,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_behind_timed_out_exclusive);
 	tcase_add_test(tc, test_shared_holder_expires);
 	tcase_add_test(tc, test_shared_dead_holder_swept);
+	tcase_add_test(tc, test_shared_holder_paused);
 	tcase_add_test(tc, test_shared_try_once);
 	tcase_add_test(tc, test_shared_fences_mixed);
 	tcase_add_test(tc, test_shared_exclusion_processes);
