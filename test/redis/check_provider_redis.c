@@ -764,6 +764,32 @@ START_TEST(test_binary_keys)
 }
 END_TEST
 
+/* A ttl out of the provider's range is refused with a message that says
+ * the range and the ttl given: a huge one is not "less than 100 ms". */
+START_TEST(test_ttl_out_of_range)
+{
+	static const int64_t bad[] = { 99, INT64_MAX / 4 + 1, INT64_MAX };
+	kl_provider *p = open_default();
+	char want[64];
+	struct hold h;
+	kl_error err;
+
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		ck_assert_int_eq(take(p, "tr", 0, bad[i], NULL, &h, &err),
+				 KL_EINVAL);
+		snprintf(want, sizeof want, "from 100 ms to %lld ms, not %lld",
+			 (long long)(INT64_MAX / 4), (long long)bad[i]);
+		ck_assert_msg(strstr(err.message, want) != NULL,
+			      "ttl %lld: '%s'", (long long)bad[i],
+			      err.message);
+		hold_free(&h);
+	}
+	test_assert_status(p, "tr", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+
 START_TEST(test_errorcheck_refused)
 {
 	kl_provider *p = open_default();
@@ -2845,6 +2871,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_acquire_release);
 	tcase_add_test(tc, test_binary_keys);
 	tcase_add_test(tc, test_errorcheck_refused);
+	tcase_add_test(tc, test_ttl_out_of_range);
 
 	tc = tcase_new(s, "fifo", 120);
 	tcase_add_test(tc, test_fifo_threads);
