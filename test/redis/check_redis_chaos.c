@@ -1633,6 +1633,8 @@ START_TEST(test_flushall_guarded)
 	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
 	ck_assert_msg(!old_valid, "granted after FLUSHALL while the old "
 				  "holder's lease was still valid");
+	/* The counter went with the flush: the fence still grows. */
+	ck_assert_uint_gt(kl_lease_fence(lease), kl_lease_fence(held));
 	ck_assert_int_eq(tev_wait(&eva, KL_EV_LOST, 3000), 1);
 	kl_lease_release(lease);
 	kl_lease_release(held);
