@@ -220,7 +220,8 @@ guard_said(const struct kl__rlease *l, kl_error *err)
 		kl__error_set(err, KL_ETIMEDOUT,
 				"redis provider: no lock is granted for "
 				"another %lld ms: the server may have lost "
-				"locks in a restart (restart_guard)",
+				"locks (a restart, a flush, or a server or "
+				"prefix not used before: restart_guard)",
 				(long long)l->guard_left_ms);
 }
 
@@ -266,12 +267,19 @@ redis_acquire(void *impl, const char *key, size_t key_len, kl_cancel *cancel,
 	}
 	if (ttl_ms == 0)
 		ttl_ms = r->conf.ttl_ms;
-	if (ttl_ms < MIN_TTL_MS || ttl_ms > INT64_MAX / 4 ||
-	    (timeout_ms < 0 && timeout_ms != KL_FOREVER)) {
+	if (timeout_ms < 0 && timeout_ms != KL_FOREVER) {
 		kl__error_set(err, KL_EINVAL,
-				"redis provider: the ttl must be at least "
-				"%d ms",
-				MIN_TTL_MS);
+				"redis provider: bad timeout %lld ms",
+				(long long)timeout_ms);
+		return KL_EINVAL;
+	}
+	/* The bounds of the URI's ttl option, in the same words. */
+	if (ttl_ms < MIN_TTL_MS || ttl_ms > INT64_MAX / 4) {
+		kl__error_set(err, KL_EINVAL,
+				"redis provider: the ttl must be from %d ms "
+				"to %lld ms, not %lld ms",
+				MIN_TTL_MS, (long long)(INT64_MAX / 4),
+				(long long)ttl_ms);
 		return KL_EINVAL;
 	}
 	if (kl_cancel_fired(cancel))

@@ -263,7 +263,10 @@ option(struct kl__redis_conf *conf, const char *s, size_t n, char **pwfile,
 	if ((rc = decode(eq + 1, n - nlen - 1, &v, &vlen)) != KL_OK)
 		return rc == KL_EINVAL ? bad(err, "bad %-escape in an option")
 				       : rc;
-	if (strlen(v) != vlen && strcmp(name, "prefix") != 0) {
+	/* The prefix too: kl_provider_snapshot names each lock by its Redis
+	 * key, a C string (kl_lock_info.detail), which would end at the
+	 * NUL, before the key's digest, and so name every lock alike. */
+	if (strlen(v) != vlen) {
 		free(v);
 		return bad(err, "NUL byte in an option value");
 	}

@@ -31,17 +31,20 @@
  *          possibly missing: every fence issued before is below it, and
  *          a fence counter not above it starts anew from the clock
  * Every new connection runs this script.  No marker: the data is lost, or
- * the server is new, which cannot be told apart: guarded from the run's
- * start.  A marker of another run: the server restarted with the data of
- * that run, complete only if that run kept every write (dur); we ask the
- * new run to keep every write too, or a run started without AOF could
- * have loaded an older snapshot that holds an old durable marker.  So the
- * decision rests on what the old run was and what the new one loaded,
- * never on how the new run is configured alone.  A durable restart keeps
- * the old run's start while its guard may hold (by the ttl record, our
- * ttl and our guard): locks it lacked are still missing, and their
- * holders may never have met that run.  The script also raises
- * the ttl record, PREFIX "maxttl", to our longest ttl: a holder's renewal
+ * the server is new, which cannot be told apart: guarded from now.  Not
+ * from the run's start: a server that kept running may have lost the
+ * marker a moment ago (FLUSHALL, DEL), with locks whose holders renew
+ * them for a ttl yet, and the first to find it gone may be a client that
+ * never saw it.  A marker of another run: the server restarted with the
+ * data of that run, complete only if that run kept every write (dur); we
+ * ask the new run to keep every write too, or a run started without AOF
+ * could have loaded an older snapshot that holds an old durable marker.
+ * So the decision rests on what the old run was and what the new one
+ * loaded, never on how the new run is configured alone.  A durable
+ * restart keeps the old run's start while its guard may hold (by the ttl
+ * record, our ttl and our guard): locks it lacked are still missing, and
+ * their holders may never have met that run.  The script also raises the
+ * ttl record, PREFIX "maxttl", to our longest ttl: a holder's renewal
  * thread connecting to a restarted server raises it again at once.
  *
  * KEYS: marker, ttl record.  ARGV: run_id, "1" when this run keeps every
@@ -70,7 +73,9 @@ static const char script_mark[] =
 	"  end\n"
 	"  if start + need <= now then start = 0 end\n"
 	"else\n"
-	"  if g[1] == '?' and tonumber(g[3] or '0') > start then\n"
+	"  if not g[1] then\n"
+	"    start = now\n"
+	"  elseif g[1] == '?' and tonumber(g[3] or '0') > start then\n"
 	"    start = tonumber(g[3])\n"
 	"  end\n"
 	"  floor = string.format('%.0f', tonumber(t[1]) * 1000000 + "

@@ -764,6 +764,32 @@ START_TEST(test_binary_keys)
 }
 END_TEST
 
+/* A ttl out of the provider's range is refused with a message that says
+ * the range and the ttl given: a huge one is not "less than 100 ms". */
+START_TEST(test_ttl_out_of_range)
+{
+	static const int64_t bad[] = { 99, INT64_MAX / 4 + 1, INT64_MAX };
+	kl_provider *p = open_default();
+	char want[64];
+	struct hold h;
+	kl_error err;
+
+	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+		ck_assert_int_eq(take(p, "tr", 0, bad[i], NULL, &h, &err),
+				 KL_EINVAL);
+		snprintf(want, sizeof want, "from 100 ms to %lld ms, not %lld",
+			 (long long)(INT64_MAX / 4), (long long)bad[i]);
+		ck_assert_msg(strstr(err.message, want) != NULL,
+			      "ttl %lld: '%s'", (long long)bad[i],
+			      err.message);
+		hold_free(&h);
+	}
+	test_assert_status(p, "tr", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
+
 START_TEST(test_errorcheck_refused)
 {
 	kl_provider *p = open_default();
@@ -1372,6 +1398,45 @@ START_TEST(test_shared_holder_expires)
 }
 END_TEST
 
+/* A shared holder's process stopped (SIGSTOP) for longer than its ttl,
+ * then continued: meanwhile an exclusive acquire is granted, once the
+ * stopped holder's lease ran out; continued, the old holder finds its
+ * lease lost (its renewal thread neither revives nor extends it), and
+ * its release takes nothing from the exclusive holder. */
+START_TEST(test_shared_holder_paused)
+{
+	char uri[1024], line[64];
+	const char *args[] = { "holdshared", uri, "sp", "1000", NULL };
+	kl_provider *p = open_default();
+	struct test_helper hp;
+	struct hold x;
+	kl_error err;
+	uint64_t hf;
+	int rc;
+
+	uri_with(uri, sizeof uri, "restart_guard=0");
+	helper_spawn(&hp, args);
+	hf = test_helper_granted(&hp, TEST_POLL_LIMIT_MS);
+	ck_assert_int_eq(kill(hp.pid, SIGSTOP), 0);
+	rc = take(p, "sp", 20000, 0, NULL, &x, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_uint_gt(kl_lease_fence(x.lease), hf);
+	ck_assert_int_eq(kill(hp.pid, SIGCONT), 0);
+	ck_assert_int_eq(write(hp.to, "\n", 1), 1);
+	ck_assert(test_helper_line(&hp, line, sizeof line,
+				   TEST_POLL_LIMIT_MS));
+	ck_assert_str_eq(line, "R lost");
+	ck_assert_int_eq(WEXITSTATUS(helper_reap(&hp)), 0);
+	/* The exclusive holder alone, and still valid a ttl on. */
+	test_assert_status(p, "sp", 1, 0);
+	ck_assert(kl_lease_valid(x.lease));
+	hold_free(&x);
+	ck_assert_int_eq(tev_count(&x.ev, KL_EV_RELEASED), 1);
+	test_assert_status(p, "sp", 0, 0);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A shared holder that died (SIGKILL: no release) is swept out of the
  * shared holders' keys by the next shared grant: with shared grants
  * alone, and at least one a ttl, its entry would otherwise stay in :s and
@@ -1647,6 +1712,112 @@ START_TEST(test_snapshot)
 }
 END_TEST
 
+/* The entries of a snapshot, all of them. */
+struct snap_all {
+	size_t n, bad;
+	char (*detail)[200];
+};
+
+static int
+snap_all_fn(const kl_lock_info *info, void *arg)
+{
+	struct snap_all *s = arg;
+
+	if (info->detail == NULL || s->n == 400) {
+		s->bad++;
+		return 0;
+	}
+	snprintf(s->detail[s->n++], 200, "%s", info->detail);
+	return 0;
+}
+
+static int
+detail_cmp(const void *a, const void *b)
+{
+	return strcmp(a, b);
+}
+
+/* A prefix made of every glob character of SCAN MATCH, a backslash and a
+ * control byte; 300 keys held, more than a page of SCAN, and one more
+ * held shared by two and waited for.  The snapshot lists every entry
+ * under the Redis key name of its own key, and nothing of a prefix that
+ * the pattern would match were its characters not escaped. */
+START_TEST(test_snapshot_hostile_prefix)
+{
+	char save[64], want[96], uri[1024], other[1024], name[160];
+	static struct hold h[300];
+	static char details[400][200];
+	struct snap_all sn = { 0, 0, details };
+	struct hold s1, s2, o;
+	struct waiter x;
+	kl_provider *p, *q;
+	kl_error err;
+	size_t distinct = 1;
+	int rc, n;
+
+	memset(&x, 0, sizeof x);
+	snprintf(save, sizeof save, "%s", g_prefix);
+	snprintf(uri, sizeof uri, "%s%cprefix=%s%%5B%%2A%%3F%%5D%%5C%%01:"
+		 "&restart_guard=0",
+		 g_uri, strchr(g_uri, '?') != NULL ? '&' : '?', save);
+	/* Matched by "[*?]\\\x01:{*" unescaped (a class, then an escaped
+	 * control byte). */
+	snprintf(other, sizeof other, "%s%cprefix=%s%%3F%%01:&restart_guard=0",
+		 g_uri, strchr(g_uri, '?') != NULL ? '&' : '?', save);
+	p = test_provider_open(uri);
+	q = test_provider_open(other);
+	take_ok(q, "k0", 0, &o);
+	for (int i = 0; i < 300; i++) {
+		char key[16];
+
+		snprintf(key, sizeof key, "k%d", i);
+		take_ok(p, key, 30000, &h[i]);
+	}
+	take_shared_ok(p, "w", 0, &s1);
+	take_shared_ok(p, "w", 0, &s2);
+	waiter_start_mode(&x, p, "w", 30000, 0, NULL);
+	wait_status(p, "w", 2, 1);
+
+	memset(&err, 0, sizeof err);
+	rc = kl_provider_snapshot(p, snap_all_fn, &sn, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_uint_eq(sn.bad, 0);
+	ck_assert_uint_eq(sn.n, 303);
+	n = snprintf(want, sizeof want, "%s[*?]\\\x01:", save);
+	ck_assert(n > 0 && (size_t)n < sizeof g_prefix);
+	memcpy(g_prefix, want, (size_t)n + 1);
+	for (size_t i = 0; i < sn.n; i++)
+		ck_assert_msg(strncmp(sn.detail[i], g_prefix,
+				      strlen(g_prefix)) == 0 &&
+				      strlen(sn.detail[i]) ==
+					      strlen(g_prefix) + 66,
+			      "not a lock of the prefix: %s", sn.detail[i]);
+	qsort(sn.detail, sn.n, sizeof *sn.detail, detail_cmp);
+	for (size_t i = 1; i < sn.n; i++)
+		distinct += strcmp(sn.detail[i], sn.detail[i - 1]) != 0;
+	ck_assert_uint_eq(distinct, 301);
+	key_name(name, sizeof name, "w", "");
+	ck_assert_ptr_nonnull(bsearch(name, sn.detail, sn.n, sizeof *sn.detail,
+				      detail_cmp));
+	snprintf(g_prefix, sizeof g_prefix, "%s", save);
+
+	hold_free(&s1);
+	hold_free(&s2);
+	waiter_join(&x);
+	waiter_ok(&x, "X");
+	hold_free(&x.h);
+	for (int i = 0; i < 300; i++)
+		hold_free(&h[i]);
+	hold_free(&o);
+	sn.n = 0;
+	ck_assert_int_eq(kl_provider_snapshot(p, snap_all_fn, &sn, &err),
+			 KL_OK);
+	ck_assert_uint_eq(sn.n, 0);
+	kl_provider_free(q);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A pooled connection that the server closed meanwhile (its idle
  * "timeout", CLIENT KILL, a restart) costs a snapshot nothing, as it
  * costs status and release nothing: the command is sent again on a new
@@ -1875,13 +2046,16 @@ START_TEST(test_bad_uris)
 		"redis://u:Canary-6%zz@127.0.0.1:6379/0",
 		"redis://u:Canary-7@[::1/0",
 		"redis://u:Canary-8@127.0.0.1:6379/0?heartbeat=forever",
+		/* A snapshot could not name the locks of this prefix: each
+		 * detail would end at the NUL, before the key's digest. */
+		"redis://u:Canary-9@127.0.0.1:6379/0?prefix=kl%00x:",
 	};
 
 	for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
 		open_fails(bad[i], KL_EINVAL, "redis provider", 100);
 	/* TLS (check_redis_tls tests it): an unusable CA file, or a build
 	 * without TLS, is refused before connecting. */
-	open_fails("rediss://u:Canary-9@127.0.0.1:6379/0?tls_ca=/nonexistent/"
+	open_fails("rediss://u:Canary-10@127.0.0.1:6379/0?tls_ca=/nonexistent/"
 		   "ca.pem",
 		   KL_EPROVIDER, "redis provider", 1000);
 }
@@ -2348,10 +2522,9 @@ START_TEST(test_restart)
 	if (dir == NULL)
 		dir = "/tmp";
 	memset(&w, 0, sizeof w);
-	/* The automatic guard wants 1.5 s of uptime before any grant (the
-	 * provider counts from the whole seconds INFO gives). */
-	while (info_number("uptime_in_seconds") < 3)
-		test_sleep_ms(100);
+	/* The automatic guard holds 1.5 s from the first connection of this
+	 * new prefix (it cannot be told from a flushed one): take_ok waits
+	 * it out. */
 	p = open_opts(opts);
 	q = open_opts(opts);
 	take_ok(p, "boot", 0, &h);
@@ -2697,6 +2870,7 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_acquire_release);
 	tcase_add_test(tc, test_binary_keys);
 	tcase_add_test(tc, test_errorcheck_refused);
+	tcase_add_test(tc, test_ttl_out_of_range);
 
 	tc = tcase_new(s, "fifo", 120);
 	tcase_add_test(tc, test_fifo_threads);
@@ -2725,11 +2899,13 @@ provider_redis_suite(void)
 	tcase_add_test(tc, test_shared_behind_timed_out_exclusive);
 	tcase_add_test(tc, test_shared_holder_expires);
 	tcase_add_test(tc, test_shared_dead_holder_swept);
+	tcase_add_test(tc, test_shared_holder_paused);
 	tcase_add_test(tc, test_shared_try_once);
 	tcase_add_test(tc, test_shared_fences_mixed);
 	tcase_add_test(tc, test_shared_exclusion_processes);
 	tcase_add_test(tc, test_snapshot);
 	tcase_add_test(tc, test_snapshot_after_idle_close);
+	tcase_add_test(tc, test_snapshot_hostile_prefix);
 	tc = tcase_new(s, "sets", 300);
 	tcase_add_test(tc, test_set_orders_clients);
 	tcase_add_test(tc, test_set_timeout_holds_nothing);

@@ -1555,6 +1555,210 @@ START_TEST(test_durable_restart_keeps_guard)
 }
 END_TEST
 
+/* The uptime of s's run in whole seconds (INFO), -1 when unknown. */
+static long long
+srv_uptime_s(struct srv *s)
+{
+	static const char field[] = "uptime_in_seconds:";
+	redisContext *c = connect_port(s->port, 2000);
+	redisReply *r = c != NULL ? redisCommand(c, "INFO server") : NULL;
+	const char *p;
+	long long v = -1;
+
+	if (r != NULL && r->type == REDIS_REPLY_STRING &&
+	    (p = strstr(r->str, field)) != NULL)
+		v = strtoll(p + sizeof field - 1, NULL, 10);
+	if (r != NULL)
+		freeReplyObject(r);
+	if (c != NULL)
+		redisFree(c);
+	return v;
+}
+
+/* FLUSHALL on a server that has run for longer than the guard takes the
+ * locks with it, and the restart marker.  The first to find the marker
+ * gone may be the first connection of a client started afterwards, which
+ * cannot tell a flushed server from one never used: the guard must run
+ * from then, not from the run's start, or that client takes the key at
+ * once while the old holder's lease is still valid (its next renewal, a
+ * third of the ttl later, has yet to find the key gone). */
+START_TEST(test_flushall_guarded)
+{
+	struct test_events eva, evb, evc;
+	kl_provider *a, *b;
+	kl_lock *la, *lb, *lc;
+	kl_lease *held, *lease = NULL;
+	kl_error err;
+	redisContext *c;
+	const char *flush[1] = { "FLUSHALL" };
+	bool old_valid;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], false));
+	/* ttl 3 s: the automatic guard is 3 s; the holder renews every
+	 * second. */
+	a = open_port(g_srv[0].port, "fl:", "ttl=3s");
+	fails_assert();
+	la = lock_make(a, "k", 20000, 0, &eva);
+	/* A fresh server: granted once its run is 3 s old. */
+	rc = grab(la, &held, &err);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	/* The run is older than the guard, INFO's whole seconds included. */
+	while (srv_uptime_s(&g_srv[0]) < 5)
+		test_sleep_ms(100);
+	c = connect_port(g_srv[0].port, 2000);
+	ck_assert_ptr_nonnull(c);
+	freeReplyObject(cmd(c, 1, flush));
+	redisFree(c);
+	fails_assert();
+
+	b = open_port(g_srv[0].port, "fl:", "ttl=3s");
+	fails_assert();
+	lb = lock_make(b, "k", 0, 0, &evb);
+	rc = grab(lb, &lease, &err);
+	old_valid = kl_lease_valid(held);
+	/* Refused by the guard, which the message names, and not as if
+	 * the server had restarted. */
+	ck_assert_msg(rc == KL_ETIMEDOUT &&
+			      strstr(err.message, "restart_guard") != NULL &&
+			      strstr(err.message, "flush") != NULL,
+		      "a try-once just after FLUSHALL: %s: %s (the old "
+		      "holder's lease is %s)",
+		      kl_strerror(rc), err.message,
+		      old_valid ? "valid" : "lost");
+	/* Once the guard has passed: granted, the old lease lost by then. */
+	lc = lock_make(b, "k", 20000, 0, &evc);
+	rc = grab(lc, &lease, &err);
+	old_valid = kl_lease_valid(held);
+	ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc), err.message);
+	ck_assert_msg(!old_valid, "granted after FLUSHALL while the old "
+				  "holder's lease was still valid");
+	/* The counter went with the flush: the fence still grows. */
+	ck_assert_uint_gt(kl_lease_fence(lease), kl_lease_fence(held));
+	ck_assert_int_eq(tev_wait(&eva, KL_EV_LOST, 3000), 1);
+	kl_lease_release(lease);
+	kl_lease_release(held);
+	kl_lock_free(la);
+	kl_lock_free(lb);
+	kl_lock_free(lc);
+	kl_provider_free(a);
+	kl_provider_free(b);
+}
+END_TEST
+
+/* Two shared holders (two clients, ttl 6 s, no guard of their own)
+ * across kill -9 and a restart of the server.  With appendfsync always
+ * the restarted server still has them: once the guard has passed, an
+ * exclusive try-once is still refused, for the holders, whose leases stay
+ * valid (renewed on the new run) and whose releases succeed; then it is
+ * granted, its fence above theirs.  Without persistence they are gone:
+ * an exclusive acquire is granted only once both leases are known lost,
+ * its fence above theirs. */
+static void
+shared_restart(bool aof)
+{
+	struct test_events ev[2], evx;
+	kl_provider *p[2], *x;
+	kl_lock *l[2], *lx;
+	kl_lease *held[2], *lease = NULL;
+	kl_error err;
+	int64_t limit;
+	uint64_t high = 0;
+	int rc;
+
+	ck_assert(srv_start(&g_srv[0], aof));
+	for (int i = 0; i < 2; i++) {
+		p[i] = open_port(g_srv[0].port, "sr:",
+				 "restart_guard=0&ttl=6s");
+		fails_assert();
+		l[i] = lock_make_flags(p[i], "k", 20000, 0, KL_SHARED, &ev[i]);
+		rc = grab(l[i], &held[i], &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		if (kl_lease_fence(held[i]) > high)
+			high = kl_lease_fence(held[i]);
+	}
+	if (aof) {
+		/* The new server's own guard (6 s from when it was first
+		 * found without a marker) must have passed before the
+		 * restart, or the restart falls within it and the holders'
+		 * leases count as lost, rightly. */
+		x = open_port(g_srv[0].port, "sr:", "ttl=6s");
+		fails_assert();
+		lx = lock_make(x, "probe", 20000, 0, &evx);
+		rc = grab(lx, &lease, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		kl_lease_release(lease);
+		kl_lock_free(lx);
+		kl_provider_free(x);
+	}
+	srv_kill(&g_srv[0]);
+	ck_assert(srv_restart(&g_srv[0]));
+	x = open_port(g_srv[0].port, "sr:", "ttl=6s");
+	fails_assert();
+	if (aof) {
+		lx = lock_make(x, "k", 0, 0, &evx);
+		/* Refused while the guard holds, and after it. */
+		limit = now_ms() + 30000;
+		while ((rc = grab(lx, &lease, &err)) == KL_ETIMEDOUT &&
+		       strstr(err.message, "restart_guard") != NULL &&
+		       now_ms() < limit)
+			test_sleep_ms(100);
+		ck_assert_msg(rc == KL_ETIMEDOUT &&
+				      strstr(err.message, "restart_guard") ==
+					      NULL,
+			      "an exclusive try-once with two shared holders "
+			      "restored: %s: %s",
+			      kl_strerror(rc), err.message);
+		for (int i = 0; i < 2; i++) {
+			ck_assert_msg(kl_lease_valid(held[i]),
+				      "shared lease %d lost in a durable "
+				      "restart",
+				      i);
+			kl_lease_release(held[i]);
+			ck_assert_int_eq(tev_count(&ev[i], KL_EV_RELEASED), 1);
+			ck_assert_int_eq(tev_count(&ev[i], KL_EV_LOST), 0);
+		}
+		rc = grab(lx, &lease, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+	} else {
+		lx = lock_make(x, "k", 30000, 0, &evx);
+		rc = grab(lx, &lease, &err);
+		ck_assert_msg(rc == KL_OK, "%s: %s", kl_strerror(rc),
+			      err.message);
+		for (int i = 0; i < 2; i++) {
+			ck_assert_msg(!kl_lease_valid(held[i]),
+				      "exclusive grant while shared lease %d "
+				      "was still valid",
+				      i);
+			ck_assert_int_eq(tev_wait(&ev[i], KL_EV_LOST, 3000), 1);
+			kl_lease_release(held[i]);
+		}
+	}
+	ck_assert_uint_gt(kl_lease_fence(lease), high);
+	kl_lease_release(lease);
+	for (int i = 0; i < 2; i++) {
+		kl_lock_free(l[i]);
+		kl_provider_free(p[i]);
+	}
+	kl_lock_free(lx);
+	kl_provider_free(x);
+}
+
+START_TEST(test_shared_durable_restart)
+{
+	shared_restart(true);
+}
+END_TEST
+
+START_TEST(test_shared_lossy_restart)
+{
+	shared_restart(false);
+}
+END_TEST
+
 /* Two ttls: the guard after a restart covers the longest any client
  * uses, not the ttl of the client that asks.  The ttl record survives in
  * a snapshot for a client that never saw it; after a wipe, a client
@@ -2941,6 +3145,9 @@ redis_chaos_suite(void)
 	tcase_add_test(tc, test_guard_covers_longest_ttl);
 	tcase_add_test(tc, test_aof_off_at_runtime_marked);
 	tcase_add_test(tc, test_durable_restart_keeps_guard);
+	tcase_add_test(tc, test_flushall_guarded);
+	tcase_add_test(tc, test_shared_durable_restart);
+	tcase_add_test(tc, test_shared_lossy_restart);
 
 	tc = tcase_new(s, "T22", 300);
 	tcase_add_test(tc, test_t22_pause);

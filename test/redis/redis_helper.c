@@ -7,7 +7,8 @@
  *   redis_helper hold URI KEY TTL_MS
  *	acquires KEY with a ttl of TTL_MS, writes "G <fence>" on stdout, then
  *	keeps the key (renewed by the provider) until a line or end of file
- *	arrives on stdin, releases, writes "R", exits 0.
+ *	arrives on stdin, releases, writes "R valid" or "R lost" (whether
+ *	kl_lease_valid held just before the release), exits 0.
  *   redis_helper holdshared URI KEY TTL_MS
  *	as hold, with KEY taken shared (KL_SHARED).
  *   redis_helper wait URI KEY TIMEOUT_MS
@@ -273,8 +274,15 @@ main(int argc, char **argv)
 		       errno == EINTR)
 			;
 	}
-	kl_lease_release(lease);
-	printf("R\n");
+	if (hold) {
+		bool valid = kl_lease_valid(lease);
+
+		kl_lease_release(lease);
+		printf("R %s\n", valid ? "valid" : "lost");
+	} else {
+		kl_lease_release(lease);
+		printf("R\n");
+	}
 	kl_lock_free(l);
 	kl_provider_free(g_provider);
 	return 0;
