@@ -208,6 +208,7 @@ struct kl__waiter {
 	bool spin;         /* may spin before parking */
 	bool front;        /* queue at the head (a woken waiter going back) */
 	bool shared;       /* a shared request: may spin behind the head */
+	bool mixed;        /* waits on a key held shared (see yields) */
 	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
 	/* Registration on a cancel token: the token (NULL: none) and the

@@ -806,6 +806,7 @@ take_or_wait(struct shard *s, uint32_t h, const char *key, size_t len,
 		if (mark_waiting(e, st)) {
 			struct kl__dl_wait dw;
 
+			tw->w.mixed = held_shared(st);
 			/* Waiters queue only on a held key, marked, so its
 			 * holder releases through the lock and hands over. */
 			KL_ASSERT(st & E_HELD);
