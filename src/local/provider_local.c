@@ -207,6 +207,7 @@ reclaim_tail(struct local *lp, const struct local_lease *l,
 	     struct kl__local_qstate *st, kl_error *err)
 {
 	uint64_t next = st->next, dead = 0, first, last;
+	char tname[KL_LOCAL_TNAME];
 
 	/* Only from our own ticket: the hand-off path (a holder at the
 	 * head, its waiters behind) looks at nothing more. */
@@ -222,6 +223,12 @@ reclaim_tail(struct local *lp, const struct local_lease *l,
 	}
 	if (next == st->next)
 		return KL_OK;
+	/* A file numbered next is nobody's (a process killed between
+	 * making its ticket file and counting it; see leave): once next is
+	 * lowered, no ticket taken and no idle queue's cleanup would look
+	 * at that number again. */
+	kl__local_ticket_name(tname, sizeof tname, l->name, st->next);
+	unlinkat(lp->dirfd, tname, 0);
 	st->next = next;
 	if (st->granted > next)
 		st->granted = next;

@@ -3311,6 +3311,51 @@ START_TEST(test_uncounted_ticket_idle)
 }
 END_TEST
 
+/* The same leftover, numbered like next, when a request then gives its
+ * number back (reclaim_tail) and lowers next below it: nothing would look
+ * at that number again once the queue goes idle, so the file goes with
+ * the number.  Found by review. */
+START_TEST(test_uncounted_ticket_reclaimed)
+{
+	const char *key = "lo:uncounted:reclaimed";
+	kl_provider *p = open_dir(g_dir);
+	char qname[64], tname[80], path[PATH_MAX];
+	struct test_helper hc;
+	struct waiter *w;
+	struct hold h;
+	kl_cancel *c;
+	int status;
+
+	queue_name(qname, sizeof qname, key, strlen(key));
+	snprintf(tname, sizeof tname, "%s.2", qname);
+	ck_assert_int_eq(kl_cancel_new(&c), KL_OK);
+	take_ok(p, key, 0, &h); /* ticket 0 */
+	w = waiter_start(p, key, WAIT_BOUND_MS, c, false, NULL); /* 1 */
+	wait_status(p, key, 1, 1);
+	helper_spawn_crash(&hc, "hold", key, NULL, 0, "ticket-created");
+	status = test_helper_reap(&hc, HANG_GUARD_MS);
+	ck_assert_msg(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL,
+		      "status 0x%x", (unsigned)status);
+	test_helper_close(&hc);
+	in_state(path, sizeof path, tname);
+	ck_assert_msg(access(path, F_OK) == 0, "no %s", tname);
+	/* The waiter leaves from the end: next goes from 2 back to 1. */
+	kl_cancel_fire(c);
+	waiter_join(w);
+	ck_assert_int_eq(w->rc, KL_ECANCELED);
+	waiter_free(w);
+	drop(&h);
+	ck_assert_msg(access(path, F_OK) != 0 && errno == ENOENT,
+		      "the key went idle leaving %s", tname);
+	in_state(path, sizeof path, qname);
+	ck_assert_msg(access(path, F_OK) != 0 && errno == ENOENT,
+		      "the key went idle leaving %s", qname);
+	test_assert_status(p, key, 0, 0);
+	kl_cancel_free(c);
+	kl_provider_free(p);
+}
+END_TEST
+
 /* A process killed between making the secret's temporary file and
  * renaming it leaves "secret.PID.N"; a later process with the same pid
  * (pids are reused, and start from 1 in every container) must still be
@@ -4679,6 +4724,7 @@ provider_local_suite(void)
 	tcase_add_test(tc, test_secret_made_at_once);
 	tcase_add_test(tc, test_no_fd_left);
 	tcase_add_test(tc, test_uncounted_ticket_idle);
+	tcase_add_test(tc, test_uncounted_ticket_reclaimed);
 
 	tc = tcase_new(s, "latency", 120);
 	tcase_add_test(tc, test_handoff_latency);
