@@ -879,38 +879,71 @@ snap_take(kl_provider *p, struct snap *sn, kl_error *err)
 	return KL_OK;
 }
 
-/* The key (or, without one, the provider's name for the lock in
- * brackets) for the table: backslash, control, DEL and non-ASCII bytes as
+/* Byte ch as the table writes it (see key_cell) into esc; its length. */
+static size_t
+cell_byte(unsigned char ch, char esc[8])
+{
+	if (ch == '\\')
+		return (size_t)snprintf(esc, 8, "\\\\");
+	if (ch == '\n')
+		return (size_t)snprintf(esc, 8, "\\n");
+	if (ch == '\t')
+		return (size_t)snprintf(esc, 8, "\\t");
+	if (ch == '\r')
+		return (size_t)snprintf(esc, 8, "\\r");
+	if (ch < 0x20 || ch >= 0x7f)
+		return (size_t)snprintf(esc, 8, "\\x%02x", ch);
+	return (size_t)snprintf(esc, 8, "%c", ch);
+}
+
+/* The key for the table: backslash, control, DEL and non-ASCII bytes as
  * C escapes (\n, \t, \r, \\, \xHH), cut at max characters with "...", so
- * that no key can break a row or talk to the terminal. */
+ * that no key can break a row or talk to the terminal.  Without a key,
+ * the provider's name for the lock in brackets, its head and its tail
+ * kept: the tail tells apart what the head may not (Redis: the prefix,
+ * then the key's digest, and with a prefix of 45 characters every row
+ * looked alike; PostgreSQL: the lock's number, then the session's). */
 static const char *
 key_cell(char *buf, size_t max, const struct entry *e)
 {
 	const char *s = e->key != NULL ? e->key : e->detail;
 	size_t len = e->key != NULL ? e->key_len
 				    : (s != NULL ? strlen(s) : 0);
-	size_t n = 0, i;
+	size_t n = 0, i, j, all = 0, tail = 0, room;
 	char esc[8];
 
-	if (e->key == NULL)
-		buf[n++] = '[';
-	for (i = 0; i < len; i++) {
-		unsigned char ch = (unsigned char)s[i];
-		size_t el;
+	if (e->key != NULL) {
+		for (i = 0; i < len; i++) {
+			size_t el = cell_byte((unsigned char)s[i], esc);
 
-		if (ch == '\\')
-			el = (size_t)snprintf(esc, sizeof esc, "\\\\");
-		else if (ch == '\n')
-			el = (size_t)snprintf(esc, sizeof esc, "\\n");
-		else if (ch == '\t')
-			el = (size_t)snprintf(esc, sizeof esc, "\\t");
-		else if (ch == '\r')
-			el = (size_t)snprintf(esc, sizeof esc, "\\r");
-		else if (ch < 0x20 || ch >= 0x7f)
-			el = (size_t)snprintf(esc, sizeof esc, "\\x%02x", ch);
-		else
-			el = (size_t)snprintf(esc, sizeof esc, "%c", ch);
-		if (n + el > max - 4) {
+			if (n + el > max - 4) {
+				memcpy(buf + n, "...", 3);
+				n += 3;
+				break;
+			}
+			memcpy(buf + n, esc, el);
+			n += el;
+		}
+		buf[n] = '\0';
+		return buf;
+	}
+	for (i = 0; i < len; i++)
+		all += cell_byte((unsigned char)s[i], esc);
+	/* "[", the name or its head, "..." and its tail, "]", the NUL. */
+	room = all + 3 <= max ? all : max - 6;
+	j = len;
+	if (room < all)
+		while (j > 0 &&
+		       tail + cell_byte((unsigned char)s[j - 1], esc) <=
+			       room / 3) {
+			tail += cell_byte((unsigned char)s[j - 1], esc);
+			j--;
+		}
+	buf[n++] = '[';
+	for (i = 0; i < j; i++) {
+		size_t el = cell_byte((unsigned char)s[i], esc);
+
+		if (room < all && n - 1 + el > room - room / 3) {
 			memcpy(buf + n, "...", 3);
 			n += 3;
 			break;
@@ -918,8 +951,11 @@ key_cell(char *buf, size_t max, const struct entry *e)
 		memcpy(buf + n, esc, el);
 		n += el;
 	}
-	if (e->key == NULL && n < max)
-		buf[n++] = ']';
+	for (i = j; i < len; i++)
+		n += (size_t)snprintf(buf + n, max - n, "%.*s",
+				      (int)cell_byte((unsigned char)s[i], esc),
+				      esc);
+	buf[n++] = ']';
 	buf[n] = '\0';
 	return buf;
 }

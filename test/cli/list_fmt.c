@@ -44,6 +44,11 @@ static struct fake fakes[] = {
 	  90000000, 0 },
 	{ S("\xe2\x80\xa8\xc2\x85" "\"q\""), NULL, true, false, 109, 109, 0,
 	  10, 0 },
+	/* Redis's names of two locks under a prefix of 50 characters. */
+	{ NULL, 0, "app:production:eu-west-1:billing:report-scheduler:"
+		   "{0123456789abcdef}", false, false, 0, 0, 11, 20, 0 },
+	{ NULL, 0, "app:production:eu-west-1:billing:report-scheduler:"
+		   "{fedcba9876543210}", false, false, 0, 0, 12, 20, 0 },
 };
 
 #define NFAKES (sizeof fakes / sizeof fakes[0])

@@ -17,7 +17,7 @@ command -v jq >/dev/null || skip "jq is missing (tools/test installs it)"
 rc=0
 "$LIST_FMT" table >"$OUT" 2>"$ERR" || rc=$?
 expect_rc 0 "the table"
-[ "$(wc -l <"$OUT")" -eq 10 ] || fail "the table: $(wc -l <"$OUT") lines, expected a header and 9 rows"
+[ "$(wc -l <"$OUT")" -eq 12 ] || fail "the table: $(wc -l <"$OUT") lines, expected a header and 11 rows"
 LC_ALL=C grep -q '[^ -~]' "$OUT" && fail "the table holds a byte that is not printable ASCII"
 head -n 1 "$OUT" | grep -q '^KEY  *MODE  *STATE  *POS  *PID  *TID  *TIME  *FENCE  *WAITERS$' ||
 	fail "the table's header"
@@ -32,6 +32,13 @@ grep -q '^LLLLLLLL*\.\.\. ' "$OUT" || fail "the long key is not cut"
 [ "$(awk '{ print length($0) }' "$OUT" | sort -n | tail -n 1)" -lt 160 ] ||
 	fail "a line of the table is too long"
 grep -qF '[advisory lock 42\n\x1b]0;x\x07]' "$OUT" || fail "the provider's name of a lock"
+# A long name of the provider's is cut in the middle: its end (Redis: the
+# key's digest) tells its locks apart.
+grep -q '^\[app:production:eu-.*\.\.\..*6789abcdef}\] ' "$OUT" &&
+	grep -q '^\[app:production:eu-.*\.\.\..*9876543210}\] ' "$OUT" ||
+	fail "a long name of the provider's is not cut in the middle"
+[ "$(grep '^\[app:' "$OUT" | cut -c1-49 | sort -u | wc -l)" -eq 2 ] ||
+	fail "two locks' names look alike in the table"
 # The rows of key k: its holder, then its waiters with their places.
 awk '$1 == "k" { print $2, $3, $4, $9 }' "$OUT" >"$TMP/k"
 printf '%s\n' "EXCL held - 2" "SHARED waiting 1 2" "EXCL waiting 2 2" |
@@ -43,7 +50,7 @@ rc=0
 "$LIST_FMT" json >"$OUT" 2>"$ERR" || rc=$?
 expect_rc 0 "--json"
 LC_ALL=C grep -q $'[\x01-\x09\x0b-\x1f\x7f]' "$OUT" && fail "--json: a raw control byte"
-jq -e 'type == "array" and length == 9' "$OUT" >/dev/null || fail "--json: not an array of 9"
+jq -e 'type == "array" and length == 11' "$OUT" >/dev/null || fail "--json: not an array of 11"
 jq -e '.[0] == {"key": "k", "detail": null, "mode": "exclusive", "state": "held",
 	"position": null, "pid": 100, "tid": 101, "elapsed_ms": 1500, "fence": 7, "waiters": 2}' \
 	"$OUT" >/dev/null || fail "--json: the holder of k"

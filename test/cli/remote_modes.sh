@@ -111,16 +111,20 @@ else
 		fail "list --json: PostgreSQL details, pids or fences: $(cat "$TMP/mine")"
 fi
 
-# The table: the same rows, the lock name in brackets (cut at 45
-# characters); the columns after KEY are read from the header's positions.
+# The table: the same rows, the lock name in brackets (a long one cut in
+# the middle, its head and tail kept); the columns after KEY are read from
+# the header's positions.
 kl "${P[@]}" list
 expect_rc 0 "list"
 head -n 1 "$OUT" | grep -q '^KEY  *MODE  *STATE  *POS  *PID  *TID  *TIME  *FENCE  *WAITERS$' ||
 	fail "list: the header"
 name=$(jq -r "$NAMES"'.[0] | name' "$TMP/mine")
-awk -v want="[${name:0:30}" '
+if [ "$kind" = redis ]; then end="${name: -12}]"; else end=; fi
+awk -v want="[${name:0:20}" -v end="$end" '
 	NR == 1 { col = index($0, "MODE"); next }
-	index($0, want) == 1 { print substr($0, col) }' "$OUT" >"$TMP/rows"
+	index($0, want) == 1 && (end == "" || index($0, end) > 0) {
+		print substr($0, col)
+	}' "$OUT" >"$TMP/rows"
 awk '{ print $1, $2, $3, $8 }' "$TMP/rows" >"$TMP/cols"
 printf '%s\n' "SHARED held - 1" "SHARED held - 1" "EXCL waiting 1 1" |
 	cmp -s - "$TMP/cols" || fail "list: K's rows are: $(cat "$TMP/rows")"
