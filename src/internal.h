@@ -239,10 +239,22 @@ struct kl__waiter {
 struct kl__waitq {
 	struct kl__waiter *head;
 	uint32_t len; /* waiting threads: far below 2^32 */
+	/* A shared request has waited here since the queue's owner last
+	 * changed keys (kl__waitq_readers_forget): a hint for the spin,
+	 * see kl__waitq_wait. */
+	bool readers;
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
+
+/* Forgets the readers hint (struct kl__waitq): its owner now serves
+ * another key.  Nobody waits on q. */
+static inline void
+kl__waitq_readers_forget(struct kl__waitq *q)
+{
+	q->readers = false;
+}
 
 /* The newest waiter, NULL when the queue is empty.  Lock held. */
 static inline struct kl__waiter *
@@ -424,6 +436,8 @@ KL_API void kl__test_table_skew(kl_provider *p, long delta);
  * of the process: a test waits for its waiters to park, then counts. */
 KL_API long kl__test_parked(void);
 KL_API long kl__test_prods(void);
+/* Exclusive waits that the readers hint (struct kl__waitq) marked mixed. */
+KL_API long kl__test_readers_hinted(void);
 /* From now on a broken KL_ASSERT is counted and the program goes on (on),
  * or aborts it (off, the default).  Returns how many broke since the last
  * call: how a test shows that an assertion fires. */

@@ -168,6 +168,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
 			      memory_order_relaxed);
 	e->lock = NULL;
+	kl__waitq_readers_forget(&e->q);
 	KL_YIELD("slot busy");
 	/* Nobody else changes a busy word. */
 	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,

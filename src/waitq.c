@@ -53,6 +53,9 @@
 #define W_PRODDED 3u /* was parked, woken to spin as the new head */
 
 #define SPIN_NS 20000 /* about one sleeping wake-up on a loaded VM */
+/* Looks at the outcome between two yields of a spinner that gives its CPU
+ * away (spin): 1 to 8 measured alike, 64 lost a fifth. */
+#define SPIN_LOOKS_PER_YIELD 4
 /* The period of the waiting-thread count, as a power of two of ns: about
  * 17 ms, a few time slices. */
 #define CROWD_SHIFT 24
@@ -194,7 +197,7 @@ ncpu(void)
 }
 
 #ifdef KL_TEST_HOOKS
-static atomic_long test_parked, test_prods;
+static atomic_long test_parked, test_prods, test_readers_hinted;
 
 long
 kl__test_parked(void)
@@ -206,6 +209,12 @@ long
 kl__test_prods(void)
 {
 	return atomic_load(&test_prods);
+}
+
+long
+kl__test_readers_hinted(void)
+{
+	return atomic_load(&test_readers_hinted);
 }
 #define TEST_COUNT(c, d) atomic_fetch_add(&(c), (d))
 #else
@@ -221,6 +230,7 @@ kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
 	q->head = NULL;
 	q->len = 0;
+	q->readers = false;
 }
 
 bool
@@ -435,19 +445,24 @@ yields(const struct kl__waiter *w)
 	return !w->shared && !w->mixed;
 }
 
+/* Spins until w's outcome is published or SPIN_NS pass, yielding the CPU
+ * between looks when give is true. */
 static void
-spin(struct kl__waiter *w)
+spin(struct kl__waiter *w, bool give)
 {
 	int64_t until = kl__now_ns() + SPIN_NS;
+	int looks = give ? SPIN_LOOKS_PER_YIELD : 64;
 
 	for (;;) {
-		for (int i = 0; i < 64; i++) {
+		for (int i = 0; i < looks; i++) {
 			if (outcome_published(w))
 				return;
 			kl__cpu_relax();
 		}
 		if (kl__now_ns() >= until)
 			return;
+		if (give)
+			sched_yield();
 	}
 }
 
@@ -458,7 +473,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	unsigned awake = W_AWAKE;
 	int64_t check_at = KL_NO_DEADLINE, wake_at, now;
 	int oldstate, status;
-	bool crowd;
+	bool crowd, full;
 
 	if (w->state == KL_W_DONE) { /* canceled before it could queue */
 		pthread_mutex_unlock(w->lock);
@@ -484,6 +499,18 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	if (w->check != NULL && w->check_ns >= 0)
 		check_at = add_ns(w->since_ns, w->check_ns);
 	append(q, w);
+	/* An exclusive request on a key that shared requests use spins as
+	 * one on a key held shared (see below) even when a writer holds it
+	 * now: the readers queue behind it next, and its yield away left
+	 * them spinning on the CPU it needed once granted (keylock-bench,
+	 * 4 threads, 90% shared, on 2 CPUs: 0.37 M requests a second with
+	 * that yield, 1.5 M without). */
+	if (w->shared)
+		q->readers = true;
+	else if (q->readers && !w->mixed) {
+		w->mixed = true;
+		TEST_COUNT(test_readers_hinted, 1);
+	}
 	KL_YIELD("enqueue");
 	/* Spin only while the holder and this waiter can both run at once,
 	 * and only as the head, or as a shared request a few places behind
@@ -495,6 +522,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * own spin, table_acquire.c). */
 	w->spin = ncpu() > 1 &&
 		  (q->len == 1 || (w->shared && q->len <= 2 * (size_t)ncpu()));
+	full = q->len >= (size_t)ncpu();
 	pthread_mutex_unlock(w->lock);
 	/* Every waiter counts in, spinning or not. */
 	crowd = crowded(w->tid);
@@ -510,17 +538,24 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * idlest).  Yielding once first lets such a thread run and queue;
 	 * with nobody else ready it costs one system call.  That is a cure
 	 * for turns taken one thread at a time, so a shared request, or one
-	 * that waits on a key held shared, spins at once: readers are
+	 * on a key held shared (mixed), does not yield first: readers are
 	 * granted together and a writer waits for readers whose sections
-	 * end anyway, and a yield there only hands the CPU to the next
-	 * spinner (keylock-bench, 4 threads, 90% shared, on 2 CPUs: 0.17x
-	 * and 0.27x pthread_rwlock with the yields, 0.55x and 0.46x
-	 * without; a writer among 8 readers waited about 1.5 times as long
-	 * on average, its longest wait no longer). */
+	 * end anyway (with the yield: 0.17x and 0.27x pthread_rwlock in the
+	 * bench above; a writer among 8 readers waited about 1.5 times as
+	 * long on average without it, its longest wait no longer).  Such a
+	 * waiter instead yields between its looks when the waiters, itself
+	 * included, fill the CPUs: then those it waits for, or those
+	 * granted together with it, may be ready without a CPU, and a pure
+	 * spin kept them off it until it ran out and the waiter slept, so
+	 * that every writer's turn cost a wake-up (0.16x with the pure
+	 * spin; with the yields 0.53x, pinned 0.60x).  With fewer waiters
+	 * it spins without yielding: the yields only took turns with the
+	 * running holders (3 threads: 1.4 M requests a second yielding,
+	 * 3.0 M not). */
 	if (w->spin) {
 		if (crowd && yields(w))
 			sched_yield();
-		spin(w);
+		spin(w, crowd && !yields(w) && full);
 	}
 	while (!outcome_published(w)) {
 		wake_at = check_at < w->expire_ns ? check_at : w->expire_ns;
@@ -536,12 +571,13 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		if (atomic_compare_exchange_strong_explicit(
 			    &w->word, &awake, W_AWAKE, memory_order_acquire,
 			    memory_order_acquire)) {
-			/* Now the head: spin as one, yielding first in a
-			 * crowd like a waiter that queued as the head.  The
+			/* Now the head: spin as one, yielding like a
+			 * waiter that queued as the head in a crowd.  The
 			 * crowd is counted again: this wait may be old. */
-			if (yields(w) && crowded(w->tid))
+			crowd = crowded(w->tid);
+			if (crowd && yields(w))
 				sched_yield();
-			spin(w);
+			spin(w, crowd && !yields(w));
 		}
 		awake = W_AWAKE;
 		if (outcome_published(w) || wake_at == KL_NO_DEADLINE)

@@ -96,14 +96,24 @@ tthread_main(void *arg)
 	struct tthread *w = arg;
 	struct kl__entry *e = NULL;
 
+	struct kl__holder h;
+
 	w->start_ns = now_ns();
-	w->rc = kl__table_acquire(w->t, w->key, w->len, w->deadline, w->cancel,
-				  w->flags, &e, &w->fence);
+	if (w->flags & KL_SHARED)
+		w->rc = kl__table_acquire_shared(w->t, w->key, w->len,
+						 w->deadline, w->cancel,
+						 w->flags, &h, &w->fence);
+	else
+		w->rc = kl__table_acquire(w->t, w->key, w->len, w->deadline,
+					  w->cancel, w->flags, &e, &w->fence);
 	w->end_ns = now_ns();
 	if (w->rc == KL_OK) {
 		if (w->next_seq != NULL)
 			w->seq = atomic_fetch_add(w->next_seq, 1);
-		kl__table_release(w->t, e);
+		if (w->flags & KL_SHARED)
+			kl__table_release_shared(w->t, &h);
+		else
+			kl__table_release(w->t, e);
 	}
 	atomic_store(&w->done, true);
 	return NULL;
@@ -1408,6 +1418,59 @@ START_TEST(test_invariants_hold)
 }
 END_TEST
 
+/* The readers hint (struct kl__waitq, waitq.c): an exclusive request
+ * that waits on a key for which shared requests have waited is treated
+ * as one on a key held shared (no yield before its spin), until the slot
+ * takes another key.  Counted by kl__test_readers_hinted. */
+static void
+waits_behind(struct kl__table *t, const char *key, unsigned flags)
+{
+	struct kl__entry *e;
+	struct tthread w;
+
+	memset(&w, 0, sizeof w);
+	ck_assert_int_eq(acquire(t, key, strlen(key), KL_NO_DEADLINE, &e,
+				 NULL),
+			 KL_OK);
+	w.flags = flags;
+	tthread_start(&w, t, key, strlen(key), in_ms(30000));
+	wait_queue(t, key, strlen(key), 1);
+	kl__table_release(t, e);
+	tthread_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+}
+
+START_TEST(test_readers_hint)
+{
+	struct kl__table *t = table_new();
+	char keys[2][24];
+	long hinted = kl__test_readers_hinted();
+
+	keys_like_k0(t, keys, 2, true);
+	/* Exclusive requests only: no hint. */
+	waits_behind(t, keys[0], 0);
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted);
+	/* A shared request waits; the exclusive ones after it are hinted,
+	 * also once the key was idle in between. */
+	waits_behind(t, keys[0], KL_SHARED);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted);
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 1);
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
+	/* Another key takes the idle slot: the hint was the old key's. */
+	waits_behind(t, keys[1], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
+	/* And the old key, back in the slot, starts without it. */
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
+	ck_assert_uint_eq(kl__table_size(t), 0);
+	ck_assert_int_eq(kl__table_check(t), KL_OK);
+	kl__table_free(t);
+}
+END_TEST
+
 START_TEST(test_invariants_broken_detected)
 {
 	kl_lock_opts o = KL_LOCK_OPTS_INIT;
@@ -1511,6 +1574,7 @@ table_suite(void)
 	tcase_add_test(tc, test_cancel_leaves_queue);
 	tcase_add_test(tc, test_cancel_token_timeout);
 	tcase_add_test(tc, test_cancel_prefired);
+	tcase_add_test(tc, test_readers_hint);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("race");

@@ -364,7 +364,9 @@ inline waitq_enqueue(me)
 }
 
 /* waitq.c's spin.  Its steps only read the word or yield, which changes
- * no state of the model, so a spin reduces to its end: it sees SETTLED, or
+ * no state of the model (nor do the inputs that decide whether it yields:
+ * the crowd count and the queue's readers hint, which only choose between
+ * yielding and not), so a spin reduces to its end: it sees SETTLED, or
  * it gives up (SPIN_NS ran out) and goes on to the CAS to PARKED.  Only the
  * head spins. */
 inline spin(me)
