@@ -242,7 +242,8 @@ struct kl__waitq {
 	/* A shared request has waited here since the queue's owner last
 	 * changed keys (kl__waitq_readers_forget): a hint for the spin,
 	 * see kl__waitq_wait. */
-	bool readers;
+	atomic_bool readers; /* relaxed: a hint, written without the lock
+			      * when a slot takes another key */
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
@@ -253,7 +254,7 @@ KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
 static inline void
 kl__waitq_readers_forget(struct kl__waitq *q)
 {
-	q->readers = false;
+	atomic_store_explicit(&q->readers, false, memory_order_relaxed);
 }
 
 /* The newest waiter, NULL when the queue is empty.  Lock held. */
@@ -438,6 +439,9 @@ KL_API long kl__test_parked(void);
 KL_API long kl__test_prods(void);
 /* Exclusive waits that the readers hint (struct kl__waitq) marked mixed. */
 KL_API long kl__test_readers_hinted(void);
+/* Whether the spin takes the CPUs to be shared with busy threads of other
+ * processes (waitq.c, neighbours): seen for good, or not seen. */
+KL_API void kl__test_neighbours(bool seen);
 /* From now on a broken KL_ASSERT is counted and the program goes on (on),
  * or aborts it (off, the default).  Returns how many broke since the last
  * call: how a test shows that an assertion fires. */

@@ -28,8 +28,9 @@
  * Before parking, the head waiter spins briefly when there are spare CPUs:
  * a short critical section ends sooner than a sleeping thread wakes; so
  * does a shared request near the head (kl__waiter.shared).  When
- * more threads than CPUs waited lately, it yields the CPU once first (see
- * kl__waitq_wait).  A waiter that becomes the head while parked is woken
+ * more threads than CPUs waited lately, it yields the CPU once first, or,
+ * waiting among readers, between its looks (see kl__waitq_wait and
+ * neighbours).  A waiter that becomes the head while parked is woken
  * at once by the grant that made it the head, so that it is already
  * running, and spinning, when its own grant comes.
  */
@@ -56,6 +57,14 @@
 /* Looks at the outcome between two yields of a spinner that gives its CPU
  * away (spin): 1 to 8 measured alike, 64 lost a fifth. */
 #define SPIN_LOOKS_PER_YIELD 4
+/* A spinner's yield longer than this ran a thread that kept the CPU for
+ * about a time slice, most likely another process's (see neighbours):
+ * beside a busy process they took 3 ms and more, among the process's own
+ * threads alone almost all under 100 us and none over 1 ms in a quick
+ * harness.  The cures it turns off stay off for NEIGHBOURS_NS (about 134
+ * ms: such a yield costs a time slice at most once in that long). */
+#define GIVE_SLOW_NS 1000000
+#define NEIGHBOURS_NS (INT64_C(1) << 27)
 /* The period of the waiting-thread count, as a power of two of ns: about
  * 17 ms, a few time slices. */
 #define CROWD_SHIFT 24
@@ -216,6 +225,14 @@ kl__test_readers_hinted(void)
 {
 	return atomic_load(&test_readers_hinted);
 }
+
+static atomic_int_fast64_t neighbours_until;
+
+void
+kl__test_neighbours(bool seen)
+{
+	atomic_store(&neighbours_until, seen ? INT64_MAX : 0);
+}
 #define TEST_COUNT(c, d) atomic_fetch_add(&(c), (d))
 #else
 #define TEST_COUNT(c, d) ((void)0)
@@ -230,7 +247,8 @@ kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock)
 	(void)lock; /* each waiter keeps the lock: see struct kl__waiter */
 	q->head = NULL;
 	q->len = 0;
-	q->readers = false;
+	atomic_init(&q->readers, false);
+	KL_ANNOTATE_ATOMIC(&q->readers);
 }
 
 bool
@@ -445,24 +463,62 @@ yields(const struct kl__waiter *w)
 	return !w->shared && !w->mixed;
 }
 
+#ifndef KL_TEST_HOOKS
+/* Until when the process's CPUs are taken to be shared with busy threads
+ * of others (neighbours). */
+static atomic_int_fast64_t neighbours_until;
+#endif
+
+/*
+ * Whether threads of other processes were seen keeping the CPUs lately.
+ * The spin's two cures for readers and writers (a spinner that gives its
+ * CPU away between looks, and an exclusive request that does not yield
+ * before its spin on a key readers use) assume that the threads ready to
+ * run are the process's own, which wait for the lock or hold it.  Beside
+ * a busy process they hand it the CPU instead, for a whole time slice, or
+ * keep it from the holder, and the granted waiter is off its CPU while
+ * the lock stands idle (4 threads, 90% shared, 2 CPUs, beside CPU-bound
+ * processes: 0.11 to 0.26 M requests a second with them, 0.86 M
+ * without).  A yield that kept the CPU away for over GIVE_SLOW_NS says
+ * so; both cures stay off for NEIGHBOURS_NS after one.
+ */
+static bool
+neighbours(int64_t now)
+{
+	KL_ANNOTATE_ATOMIC(&neighbours_until);
+	return now < atomic_load_explicit(&neighbours_until,
+					  memory_order_relaxed);
+}
+
 /* Spins until w's outcome is published or SPIN_NS pass, yielding the CPU
- * between looks when give is true. */
+ * between looks when give is true and no neighbours were seen. */
 static void
 spin(struct kl__waiter *w, bool give)
 {
-	int64_t until = kl__now_ns() + SPIN_NS;
-	int looks = give ? SPIN_LOOKS_PER_YIELD : 64;
+	int64_t now = kl__now_ns(), until = now + SPIN_NS, before;
+	int looks;
 
+	give = give && !neighbours(now);
+	looks = give ? SPIN_LOOKS_PER_YIELD : 64;
 	for (;;) {
 		for (int i = 0; i < looks; i++) {
 			if (outcome_published(w))
 				return;
 			kl__cpu_relax();
 		}
-		if (kl__now_ns() >= until)
+		if ((now = kl__now_ns()) >= until)
 			return;
-		if (give)
-			sched_yield();
+		if (!give)
+			continue;
+		before = now;
+		sched_yield();
+		if ((now = kl__now_ns()) - before > GIVE_SLOW_NS) {
+			atomic_store_explicit(&neighbours_until,
+					      now + NEIGHBOURS_NS,
+					      memory_order_relaxed);
+			give = false;
+			looks = 64;
+		}
 	}
 }
 
@@ -499,15 +555,20 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	if (w->check != NULL && w->check_ns >= 0)
 		check_at = add_ns(w->since_ns, w->check_ns);
 	append(q, w);
-	/* An exclusive request on a key that shared requests use spins as
-	 * one on a key held shared (see below) even when a writer holds it
-	 * now: the readers queue behind it next, and its yield away left
-	 * them spinning on the CPU it needed once granted (keylock-bench,
-	 * 4 threads, 90% shared, on 2 CPUs: 0.37 M requests a second with
-	 * that yield, 1.5 M without). */
+	/* An exclusive request on a key that shared requests use does not
+	 * yield before its spin (it is mixed, see below) even when a writer
+	 * holds the key now: the readers queue behind it next, and its
+	 * yield away left them spinning on the CPU it needed once granted
+	 * (a quick harness, 4 threads, 90% shared, on 2 CPUs: 0.37 M
+	 * requests a second with that yield, 1.5 M without).  Not beside
+	 * busy threads of other processes (neighbours).  The hint lasts
+	 * while the queue's owner keeps the key: a slot's until it takes
+	 * another key, a chained entry's until it is freed. */
 	if (w->shared)
-		q->readers = true;
-	else if (q->readers && !w->mixed) {
+		atomic_store_explicit(&q->readers, true, memory_order_relaxed);
+	else if (!w->mixed &&
+		 atomic_load_explicit(&q->readers, memory_order_relaxed) &&
+		 !neighbours(kl__now_ns())) {
 		w->mixed = true;
 		TEST_COUNT(test_readers_hinted, 1);
 	}
@@ -542,16 +603,18 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * granted together and a writer waits for readers whose sections
 	 * end anyway (with the yield: 0.17x and 0.27x pthread_rwlock in the
 	 * bench above; a writer among 8 readers waited about 1.5 times as
-	 * long on average without it, its longest wait no longer).  Such a
+	 * long on average without it, its longest wait no longer).  A shared
 	 * waiter instead yields between its looks when the waiters, itself
-	 * included, fill the CPUs: then those it waits for, or those
-	 * granted together with it, may be ready without a CPU, and a pure
-	 * spin kept them off it until it ran out and the waiter slept, so
-	 * that every writer's turn cost a wake-up (0.16x with the pure
-	 * spin; with the yields 0.53x, pinned 0.60x).  With fewer waiters
-	 * it spins without yielding: the yields only took turns with the
-	 * running holders (3 threads: 1.4 M requests a second yielding,
-	 * 3.0 M not). */
+	 * included, fill the CPUs (an exclusive one spins only as the lone
+	 * waiter): then those it waits for, or those granted together with
+	 * it, may be ready without a CPU, and a pure spin kept them off it
+	 * until it ran out and the waiter slept, so that every writer's
+	 * turn cost a wake-up.  With fewer waiters it spins without
+	 * yielding: the yields only took turns with the running holders (3
+	 * threads: 1.4 M requests a second yielding, 3.0 M not).  With the
+	 * readers hint above, keylock-bench's 4 threads, 90% shared went
+	 * from 0.16x pthread_rwlock to 0.53x to 0.85x, pinned 0.54x to
+	 * 0.60x. */
 	if (w->spin) {
 		if (crowd && yields(w))
 			sched_yield();
@@ -571,9 +634,11 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		if (atomic_compare_exchange_strong_explicit(
 			    &w->word, &awake, W_AWAKE, memory_order_acquire,
 			    memory_order_acquire)) {
-			/* Now the head: spin as one, yielding like a
-			 * waiter that queued as the head in a crowd.  The
-			 * crowd is counted again: this wait may be old. */
+			/* Now the head: spin as one, yielding first in a
+			 * crowd like a waiter that queued as the head, or,
+			 * shared or mixed, between its looks (readers are
+			 * granted with it or before it).  The crowd is
+			 * counted again: this wait may be old. */
 			crowd = crowded(w->tid);
 			if (crowd && yields(w))
 				sched_yield();

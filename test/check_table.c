@@ -95,7 +95,6 @@ tthread_main(void *arg)
 {
 	struct tthread *w = arg;
 	struct kl__entry *e = NULL;
-
 	struct kl__holder h;
 
 	w->start_ns = now_ns();
@@ -1446,6 +1445,7 @@ START_TEST(test_readers_hint)
 	char keys[2][24];
 	long hinted = kl__test_readers_hinted();
 
+	kl__test_neighbours(false);
 	keys_like_k0(t, keys, 2, true);
 	/* Exclusive requests only: no hint. */
 	waits_behind(t, keys[0], 0);
@@ -1465,6 +1465,14 @@ START_TEST(test_readers_hint)
 	/* And the old key, back in the slot, starts without it. */
 	waits_behind(t, keys[0], 0);
 	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
+	/* Beside busy threads of other processes the hint is not used. */
+	waits_behind(t, keys[0], KL_SHARED);
+	kl__test_neighbours(true);
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
+	kl__test_neighbours(false);
+	waits_behind(t, keys[0], 0);
+	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 3);
 	ck_assert_uint_eq(kl__table_size(t), 0);
 	ck_assert_int_eq(kl__table_check(t), KL_OK);
 	kl__table_free(t);
