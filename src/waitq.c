@@ -205,6 +205,10 @@ ncpu(void)
 	return n;
 }
 
+/* Until when the process's CPUs are taken to be shared with busy threads
+ * of others (see neighbours). */
+static atomic_int_fast64_t neighbours_until;
+
 #ifdef KL_TEST_HOOKS
 static atomic_long test_parked, test_prods, test_readers_hinted;
 
@@ -225,8 +229,6 @@ kl__test_readers_hinted(void)
 {
 	return atomic_load(&test_readers_hinted);
 }
-
-static atomic_int_fast64_t neighbours_until;
 
 void
 kl__test_neighbours(bool seen)
@@ -463,12 +465,6 @@ yields(const struct kl__waiter *w)
 	return !w->shared && !w->mixed;
 }
 
-#ifndef KL_TEST_HOOKS
-/* Until when the process's CPUs are taken to be shared with busy threads
- * of others (neighbours). */
-static atomic_int_fast64_t neighbours_until;
-#endif
-
 /*
  * Whether threads of other processes were seen keeping the CPUs lately.
  * The spin's two cures for readers and writers (a spinner that gives its
@@ -529,7 +525,7 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	unsigned awake = W_AWAKE;
 	int64_t check_at = KL_NO_DEADLINE, wake_at, now;
 	int oldstate, status;
-	bool crowd, full;
+	bool crowd, full, hinted;
 
 	if (w->state == KL_W_DONE) { /* canceled before it could queue */
 		pthread_mutex_unlock(w->lock);
@@ -566,12 +562,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * another key, a chained entry's until it is freed. */
 	if (w->shared)
 		atomic_store_explicit(&q->readers, true, memory_order_relaxed);
-	else if (!w->mixed &&
-		 atomic_load_explicit(&q->readers, memory_order_relaxed) &&
-		 !neighbours(kl__now_ns())) {
-		w->mixed = true;
-		TEST_COUNT(test_readers_hinted, 1);
-	}
+	hinted = !w->shared && !w->mixed &&
+		 atomic_load_explicit(&q->readers, memory_order_relaxed);
 	KL_YIELD("enqueue");
 	/* Spin only while the holder and this waiter can both run at once,
 	 * and only as the head, or as a shared request a few places behind
@@ -585,6 +577,11 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 		  (q->len == 1 || (w->shared && q->len <= 2 * (size_t)ncpu()));
 	full = q->len >= (size_t)ncpu();
 	pthread_mutex_unlock(w->lock);
+	/* Only this thread reads mixed (yields): set without the lock. */
+	if (hinted && !neighbours(kl__now_ns())) {
+		w->mixed = true;
+		TEST_COUNT(test_readers_hinted, 1);
+	}
 	/* Every waiter counts in, spinning or not. */
 	crowd = crowded(w->tid);
 
@@ -602,8 +599,9 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * on a key held shared (mixed), does not yield first: readers are
 	 * granted together and a writer waits for readers whose sections
 	 * end anyway (with the yield: 0.17x and 0.27x pthread_rwlock in
-	 * keylock-bench, 4 threads, 90% shared, on 2 CPUs; a writer among 8 readers waited about 1.5 times as
-	 * long on average without it, its longest wait no longer).  A shared
+	 * keylock-bench, 4 threads, 90% shared, on 2 CPUs; a writer among 8
+	 * readers waited about 1.5 times as long on average without it, its
+	 * longest wait no longer).  A shared
 	 * waiter instead yields between its looks when the waiters, itself
 	 * included, fill the CPUs (an exclusive one spins only as the lone
 	 * waiter): then those it waits for, or those granted together with
