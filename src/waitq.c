@@ -731,15 +731,15 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * to a thread that runs or gets a CPU at the next look of the
 	 * thread on it, not to one that must be woken; once a grant makes
 	 * it the head it keeps its CPU (keylock-bench, empty section,
-	 * unpinned, two runs each, max/min 1.00 to 1.07 throughout: 4
-	 * threads 67 to 85 k grants a second before, 455 to 734 k so; 8
-	 * threads 38 to 55 k before, 206 to 480 k).  A thread that did a
+	 * unpinned, 2 and 3 full runs, max/min 1.00 to 1.08 throughout: 4
+	 * threads 67 to 128 k grants a second before, 417 to 743 k so; 8
+	 * threads 38 to 58 k before, 205 to 480 k).  A thread that did a
 	 * few microseconds of work in between does neither: its yield handed
 	 * the CPU to a thread in the middle of its own work, the grant then
 	 * waited for that thread to give it back, and the next threads
 	 * queued behind the grant, a convoy the lock seldom left (4 threads,
-	 * 400 ns sections and 4 us between: 274 to 397 k grants a second
-	 * with max/min 1.17 to 1.24 with the yield, 406 to 418 k and 1.08 to
+	 * 400 ns sections and 4 us between: 274 to 381 k grants a second
+	 * with max/min 1.13 to 1.24 with the yield, 404 to 418 k and 1.06 to
 	 * 1.17 without; spinning behind the head too, as every waiter in a
 	 * crowd: 220 to 250 k).  The yield is a cure
 	 * for turns taken one thread at a time, so a shared request, or one
@@ -751,10 +751,10 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * longest wait no longer).  A shared waiter instead yields between
 	 * its looks when the waiters, itself included, fill the CPUs (an
 	 * exclusive one spins as the lone waiter, or behind the head when
-	 * it asks again at once): then those it waits for, or those granted together with
-	 * it, may be ready without a CPU, and a pure spin kept them off it
-	 * until it ran out and the waiter slept, so that every writer's
-	 * turn cost a wake-up.  With fewer waiters it spins without
+	 * it asks again at once): then those it waits for, or those granted
+	 * together with it, may be ready without a CPU, and a pure spin kept
+	 * them off it until it ran out and the waiter slept, so that every
+	 * writer's turn cost a wake-up.  With fewer waiters it spins without
 	 * yielding: the yields only took turns with the running holders (3
 	 * threads: 1.4 M requests a second yielding, 3.0 M not).  With the
 	 * readers hint above, keylock-bench's 4 threads, 90% shared went
