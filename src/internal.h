@@ -209,6 +209,9 @@ struct kl__waiter {
 	bool front;        /* queue at the head (a woken waiter going back) */
 	bool shared;       /* a shared request: may spin behind the head */
 	bool mixed;        /* waits on a key held shared (see yields) */
+	/* Set under the lock by a grant that made this waiter the head while
+	 * it was awake (kl__waitq_prod): a hint to stop giving its CPU away. */
+	atomic_bool headed;
 	int64_t since_ns;  /* when it first queued (0: not yet) */
 	int64_t expire_ns; /* min(own deadline, cancel token's deadline) */
 	/* Registration on a cancel token: the token (NULL: none) and the
@@ -305,6 +308,10 @@ KL_HIDDEN void kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w);
  * by the time its own grant comes.  Lock held.  Returns what to kl__unpark
  * after dropping it, besides the granted waiter's wake-up. */
 KL_HIDDEN void *kl__waitq_prod(struct kl__waitq *q);
+/* After a release that took q's lock, without the lock: kl__unpark(prod),
+ * and notes that this thread has just handed q on, for its next wait (a
+ * thread that asks again at once: see kl__waitq_wait). */
+KL_HIDDEN void kl__waitq_released(const struct kl__waitq *q, void *prod);
 /* Publishes w's outcome to it.  Lock held.  Returns what kl__unpark needs
  * to wake it (NULL when it is not parked), to be called after the lock is
  * dropped: waking outside the lock spares the woken thread a collision. */
@@ -440,8 +447,28 @@ KL_API long kl__test_prods(void);
 /* Exclusive waits that the readers hint (struct kl__waitq) marked mixed. */
 KL_API long kl__test_readers_hinted(void);
 /* Whether the spin takes the CPUs to be shared with busy threads of other
- * processes (waitq.c, neighbours): seen for good, or not seen. */
-KL_API void kl__test_neighbours(bool seen);
+ * processes (waitq.c, neighbours): how > 0, seen for good; 0, not seen
+ * until a slow yield says so; negative, never seen (slow yields are
+ * ignored). */
+KL_API void kl__test_neighbours(int how);
+/* Whether more threads than CPUs waited lately (waitq.c, crowded): how >
+ * 0, always; 0, never; negative, counted (the default). */
+KL_API void kl__test_crowd(int how);
+/* How soon after handing a queue on a thread that asks for it again
+ * counts as asking at once (waitq.c, asks_again); 0: never; negative:
+ * ASKS_AGAIN_NS, the default. */
+KL_API void kl__test_asks_again_ns(int64_t ns);
+/* How long a waiter that asked again at once spins behind the head
+ * (waitq.c, behind_ns); negative: as it would. */
+KL_API void kl__test_behind_ns(int64_t ns);
+/* Waits that gave their CPU away behind the head (waitq.c, SPIN_BEHIND)
+ * and grants that marked an awake new head (kl__waitq_prod), since the
+ * start of the process. */
+KL_API long kl__test_behind(void);
+KL_API long kl__test_headed(void);
+/* Waits that spun behind the head and, marked headed, then kept their
+ * CPU (waitq.c, spin). */
+KL_API long kl__test_kept(void);
 /* From now on a broken KL_ASSERT is counted and the program goes on (on),
  * or aborts it (off, the default).  Returns how many broke since the last
  * call: how a test shows that an assertion fires. */

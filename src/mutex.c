@@ -397,7 +397,7 @@ kl_mutex_leave(kl_mutex *m, kl_token t, bool abort_pending)
 	wake = pass_on(m, &prod);
 	pthread_mutex_unlock(&m->lock);
 	kl__unpark(wake);
-	kl__unpark(prod);
+	kl__waitq_released(&m->q, prod);
 	return KL_OK;
 }
 

@@ -929,6 +929,8 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 {
 	struct wakes k = { .n = 0 };
 	struct kl__waiter *granted;
+	/* Only compared after e is freed (kl__waitq_released). */
+	const struct kl__waitq *q = &e->q;
 	void *prod = NULL;
 	uint64_t st, f;
 	bool held = false;
@@ -975,7 +977,7 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
 	wakes_run(&k);
-	kl__unpark(prod);
+	kl__waitq_released(q, prod);
 	kl__free(e);
 }
 

@@ -696,6 +696,155 @@ START_TEST(test_grant_prods_parked_new_head)
 }
 END_TEST
 
+/* A thread that takes the mutex, waits for the test's word, then leaves
+ * it and at once asks for it again. */
+struct again {
+	kl_mutex *m;
+	atomic_int step; /* 1 holds, 2 (the test) go on, 3 holds again */
+	kl_token tok;
+	int rc[3];
+};
+
+static bool
+again_holds(void *arg)
+{
+	return atomic_load(&((struct again *)arg)->step) == 1;
+}
+
+static bool
+again_holds_again(void *arg)
+{
+	return atomic_load(&((struct again *)arg)->step) == 3;
+}
+
+static void *
+again_main(void *arg)
+{
+	struct again *a = arg;
+	kl_token t;
+
+	a->rc[0] = kl_mutex_enter(a->m, KL_FOREVER, NULL, &t);
+	atomic_store(&a->step, 1);
+	while (atomic_load(&a->step) != 2)
+		sched_yield();
+	a->rc[1] = kl_mutex_leave(a->m, t, false);
+	a->rc[2] = kl_mutex_enter(a->m, KL_FOREVER, NULL, &a->tok);
+	atomic_store(&a->step, 3);
+	return NULL;
+}
+
+struct behind_cond {
+	kl_mutex *m;
+	struct tw_group *g;
+	long behind;
+};
+
+/* A granted (by H's leave), and two queued again: B and H. */
+static bool
+queued_behind(void *arg)
+{
+	struct behind_cond *c = arg;
+
+	return tw_granted(c->g) == 1 && kl_mutex_queue_size(c->m) == 2 &&
+	       test_behind() >= c->behind;
+}
+
+/* One round of test_asks_again_spins_behind: H holds, A and B queue and
+ * park; H leaves (A granted, B prodded) and asks again, behind B; A
+ * leaves (B granted, H the head), B leaves (H granted) once want_kept
+ * waits spun behind it kept their CPU as the head.  Returns how many
+ * waits spun behind the head.  Each of the two grants that leave a new
+ * head marks it: prodded if parked, headed if awake; *headed: how many
+ * were headed. */
+static bool
+kept_at_least(void *arg)
+{
+	return test_kept() >= *(long *)arg;
+}
+
+static long
+asks_again_round(bool cpus, long want_behind, long want_kept, long *headed)
+{
+	kl_mutex *m = new_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, 0);
+	struct tw_group *g = tw_mutex(m, false);
+	struct again a = { .m = m };
+	struct behind_cond c = { .m = m, .g = g };
+	pthread_t th;
+	long parked = test_parked(), behind, prods, headed0;
+	long kept = test_kept() + want_kept;
+
+	atomic_init(&a.step, 0);
+	test_thread_start(&th, again_main, &a);
+	test_poll(again_holds, &a, "H to take the mutex");
+	tw_start_n_queued(g, 2, KL_FOREVER, NULL); /* A, B */
+	test_wait_parked(parked + 2);
+	behind = test_behind();
+	prods = test_prods();
+	headed0 = test_headed();
+	atomic_store(&a.step, 2);
+	c.behind = behind + want_behind;
+	test_poll(queued_behind, &c, "H to queue behind B");
+	ck_assert_int_eq(tw_pass(g), 0); /* A leaves: B's turn */
+	test_poll(kept_at_least, &kept, "H to keep its CPU as the head");
+	ck_assert_int_eq(tw_pass(g), 1); /* B leaves: H's turn */
+	test_poll(again_holds_again, &a, "H to hold the mutex again");
+	test_thread_join(th);
+	for (int i = 0; i < 3; i++)
+		ck_assert_int_eq(a.rc[i], KL_OK);
+	ck_assert_int_eq(kl_mutex_leave(m, a.tok, false), KL_OK);
+	tw_join_all(g);
+	assert_free(m);
+	tw_free(g);
+	kl_mutex_free(m);
+	*headed = test_headed() - headed0;
+	ck_assert_int_eq(test_prods() - prods + *headed, cpus ? 2 : 0);
+	return test_behind() - behind;
+}
+
+/* A thread that asks for the mutex again right after handing it on, with
+ * others queued before it, gives its CPU to them between looks (waitq.c,
+ * spin, SPIN_BEHIND) in a crowd: only then, not beside busy threads of
+ * other processes.  The hooks take the timing out: the crowd is forced
+ * and "at once" widened to a minute, so that a preempted test thread
+ * still asks at once; in the first round H spins behind until a grant
+ * makes it the head, which marks it headed (B, parked, was prodded), and
+ * then keeps its CPU; slow yields under load are not taken for
+ * neighbours there. */
+START_TEST(test_asks_again_spins_behind)
+{
+	bool cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1;
+	long headed, kept = test_kept();
+
+	test_crowd(1);
+	test_asks_again_ns(INT64_C(60000) * MS);
+	test_behind_ns(INT64_C(60000) * MS);
+	test_neighbours(-1);
+	ck_assert_int_eq(asks_again_round(cpus, cpus ? 1 : 0, cpus ? 1 : 0,
+					  &headed),
+			 cpus ? 1 : 0);
+	ck_assert_int_eq(headed, cpus ? 1 : 0);
+	/* and, marked, it kept its CPU as the head. */
+	ck_assert_int_eq(test_kept() - kept, cpus ? 1 : 0);
+	/* As it would spin behind: for a while, then it parks. */
+	test_behind_ns(-1);
+	test_neighbours(0);
+	ck_assert_int_eq(asks_again_round(cpus, cpus ? 1 : 0, 0, &headed),
+			 cpus ? 1 : 0);
+	/* Not at once: no spin behind the head. */
+	test_asks_again_ns(0);
+	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	/* Beside busy neighbours it parks instead. */
+	test_asks_again_ns(INT64_C(60000) * MS);
+	test_neighbours(1);
+	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	test_neighbours(0);
+	/* Without a crowd neither. */
+	test_crowd(0);
+	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	test_spin_reset();
+}
+END_TEST
+
 START_TEST(test_timed_out_waiter_leaves_queue)
 {
 	kl_token held;
@@ -1884,6 +2033,7 @@ mutex_suite(void)
 	tcase_add_test(tc, test_fifo_long_queues);
 	tcase_add_test(tc, test_direct_hand_off);
 	tcase_add_test(tc, test_grant_prods_parked_new_head);
+	tcase_add_test(tc, test_asks_again_spins_behind);
 	tcase_add_test(tc, test_timed_out_waiter_leaves_queue);
 	tcase_add_test(tc, test_timeout_not_early);
 	tcase_add_test(tc, test_leave_abort_pending);

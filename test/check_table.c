@@ -1445,7 +1445,7 @@ START_TEST(test_readers_hint)
 	char keys[2][24];
 	long hinted = kl__test_readers_hinted();
 
-	kl__test_neighbours(false);
+	kl__test_neighbours(0);
 	keys_like_k0(t, keys, 2, true);
 	/* Exclusive requests only: no hint. */
 	waits_behind(t, keys[0], 0);
@@ -1467,10 +1467,10 @@ START_TEST(test_readers_hint)
 	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
 	/* Beside busy threads of other processes the hint is not used. */
 	waits_behind(t, keys[0], KL_SHARED);
-	kl__test_neighbours(true);
+	kl__test_neighbours(1);
 	waits_behind(t, keys[0], 0);
 	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 2);
-	kl__test_neighbours(false);
+	kl__test_neighbours(0);
 	waits_behind(t, keys[0], 0);
 	ck_assert_int_eq(kl__test_readers_hinted(), hinted + 3);
 	ck_assert_uint_eq(kl__table_size(t), 0);

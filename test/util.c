@@ -355,6 +355,57 @@ test_prods(void)
 {
 	return kl__test_prods();
 }
+
+void
+test_crowd(int how)
+{
+	kl__test_crowd(how);
+}
+
+void
+test_asks_again_ns(int64_t ns)
+{
+	kl__test_asks_again_ns(ns);
+}
+
+void
+test_behind_ns(int64_t ns)
+{
+	kl__test_behind_ns(ns);
+}
+
+void
+test_neighbours(int how)
+{
+	kl__test_neighbours(how);
+}
+
+long
+test_behind(void)
+{
+	return kl__test_behind();
+}
+
+long
+test_headed(void)
+{
+	return kl__test_headed();
+}
+
+long
+test_kept(void)
+{
+	return kl__test_kept();
+}
+
+void
+test_spin_reset(void)
+{
+	kl__test_crowd(-1);
+	kl__test_asks_again_ns(-1);
+	kl__test_behind_ns(-1);
+	kl__test_neighbours(0);
+}
 #endif
 
 void

@@ -116,6 +116,18 @@ void test_wait_event_queue(kl_reset_event *e, size_t n);
 long test_parked(void);
 void test_wait_parked(long n);
 long test_prods(void);
+/* The spin's test hooks (kl__test_crowd, kl__test_asks_again_ns,
+ * kl__test_behind_ns, kl__test_neighbours, kl__test_behind,
+ * kl__test_headed, kl__test_kept); test build only.  test_spin_reset
+ * puts the settings back as they were. */
+void test_crowd(int how);
+void test_asks_again_ns(int64_t ns);
+void test_behind_ns(int64_t ns);
+void test_neighbours(int how);
+long test_behind(void);
+long test_headed(void);
+long test_kept(void);
+void test_spin_reset(void);
 
 /* ------------------------------------------------------------------ */
 /* Waiter groups                                                       */

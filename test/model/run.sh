@@ -79,6 +79,10 @@ CHECKS=(
 	# (mutant-spin-any-park fails through the head's spin already).
 	"mutant-spin-behind-park|fail|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPIN_BEHIND -DMUTANT_SPIN_PARK -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
 	"mutex-spin-behind|pass|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DSPIN_BEHIND -DSPURIOUS -DDL=3 -DTOK=4 -DMAXQ=255 -DADMIN=-1"
+	# The headed mark of an awake new head (a spinner behind the head
+	# then keeps its CPU) made after the unlock: it can land on a waiter
+	# granted meanwhile, whose frame is gone.
+	"mutant-headed-late|fail|safety|waitq.pml|-DMUTEX -DSPIN_ANY -DMUTANT_HEADED_LATE -DDL=0 -DTOK=0 -DMAXQ=255 -DADMIN=-1"
 	# The key table's lock modes (modes.pml): the Web Locks rule on one
 	# queue, readers and a writer, then two writers and a reader; its
 	# mutants: a waiter leaving by its deadline without passing the key

@@ -23,10 +23,16 @@
  *   MUTANT_SPIN_PARK a spinning head that gives up parks by storing PARKED
  *                    instead of going through the compare-and-swap from
  *                    AWAKE
+ *   MUTANT_HEADED_LATE  a hand-off marks an awake new head headed after
+ *                    the unlock instead of under the lock, when the mark
+ *                    may land on a waiter that has returned
  *   SPIN_ANY         any waiter may spin before it parks, not only the
  *                    head: the key table lets a shared request spin a few
- *                    places behind the head (waitq.c, kl__waiter.shared);
- *                    the assertion that only the head spins is off
+ *                    places behind the head (waitq.c, kl__waiter.shared),
+ *                    and so does an exclusive one that asks again right
+ *                    after handing the lock on, in a crowd (waitq.c,
+ *                    SPIN_BEHIND); the assertion that only the head spins
+ *                    is off
  *   SPIN_BEHIND      with SPIN_ANY: only a waiter that queues behind the
  *                    head spins, and a prodded one does not, so that a
  *                    mutant caught here is caught through a spin behind
@@ -66,7 +72,9 @@
  * C11 orders are TSan's to judge), the spin of a reset event's waiter (it
  * only delays the CAS to PARKED).
  * The prod is modelled: a leave that hands the mutex over marks a parked
- * new head PRODDED and wakes it after the unlock.
+ * new head PRODDED and wakes it after the unlock, or an awake one headed
+ * (kl__waiter.headed: a spinner behind the head then spins as the head,
+ * which adds no way for a spin to end).
  * The mutex's spin is modelled by where it can end (waitq.c, spin): it
  * sees SETTLED, or it gives up (SPIN_NS ran out) and goes on to park; see
  * inline spin.  Any decision to stop spinning must end the same way,
@@ -87,7 +95,10 @@
  * - at the end owner == 0 && qlen == 0, and no invalid end state (no waiter
  *   left asleep, no lock left held, no deadlock);
  * - a waiter spins only as the head: while it spins, it is either settled
- *   or first in the queue (not with SPIN_ANY).
+ *   or first in the queue (not with SPIN_ANY);
+ * - the headed mark is right: made under the lock on a waiter that still
+ *   waits (its frame is live), and a marked waiter that still waits is
+ *   the head.
  */
 
 #ifndef N
@@ -160,6 +171,7 @@ bool hastok[N + 1];  /* the call has a cancel token (one per client) */
 bool fired[N + 1];
 bool registered[N + 1];
 bool over[N + 1];    /* the call has returned */
+bool headed[N + 1];  /* marked the new head while awake (kl__waitq_prod) */
 byte tlock[N + 1];
 
 /* Ghosts for the FIFO check. */
@@ -228,14 +240,29 @@ inline settle(w, old)
 	atomic { old = word[w]; word[w] = SETTLED }
 }
 
+/* The headed mark of w: only while w waits, whose frame it writes. */
+inline headed_mark(w)
+{
+	assert(word[w] != SETTLED);
+	headed[w] = true
+}
+
 /* kl__waitq_prod: after a grant, a parked new head is marked PRODDED, to
- * be woken (pg) after the unlock.  Queue lock held. */
-inline prod(pg)
+ * be woken (pg) after the unlock, and an awake one headed.  Queue lock
+ * held. */
+inline prod(pg, hd)
 {
 	if
 	:: qlen > 0 && word[q[0]] == PARKED ->
 		word[q[0]] = PRODDED;
 		pg = q[0]
+	:: qlen > 0 && word[q[0]] != PARKED ->
+		pg = 0;
+#ifdef MUTANT_HEADED_LATE
+		hd = q[0] /* the bug: marked after the unlock */
+#else
+		headed_mark(q[0])
+#endif
 	:: else -> pg = 0
 	fi
 }
@@ -680,7 +707,7 @@ proctype admin(byte lim)
 
 proctype client(byte me)
 {
-	byte rc = EPENDING, old, w, g, i, pg;
+	byte rc = EPENDING, old, w, g, i, pg, hd;
 	bool took, abort, spinme;
 
 	/* kl_mutex_enter: a token fired before the call */
@@ -770,7 +797,7 @@ entered:
 					:: else -> mstate = g * 2
 					fi;
 					settle(g, old);
-					prod(pg)
+					prod(pg, hd)
 				:: else -> mstate = 0
 				fi;
 				unlock(qlock)
@@ -781,6 +808,12 @@ entered:
 #endif
 			unpark(g, old);
 			g = 0;
+#ifdef MUTANT_HEADED_LATE
+			if
+			:: hd != 0 -> headed_mark(hd); hd = 0
+			:: else -> skip
+			fi;
+#endif
 			/* and the prodded new head's */
 			if
 			:: pg != 0 ->
@@ -801,14 +834,24 @@ entered:
 	d_step { rc = 0; took = false; abort = false; over[me] = true; ndone++ }
 }
 
+/* A waiter marked headed that still waits but is not the head. */
+#define MISMARKED(i) (headed[i] && word[i] != SETTLED && !(qlen > 0 && q[0] == i))
+#if N > 2
+#define ANY_MISMARKED (MISMARKED(1) || MISMARKED(2) || MISMARKED(3))
+#else
+#define ANY_MISMARKED (MISMARKED(1) || MISMARKED(2))
+#endif
+
 /* Checked in every state: with the queue lock free, a waiter in the queue
  * implies a holder and the QUEUED bit (so no newcomer can barge and no
- * leave can skip the hand-off). */
+ * leave can skip the hand-off); a waiter marked headed that still waits
+ * is the head (so that it keeps its CPU only for the next grant). */
 active proctype monitor()
 {
 end_monitor:
 	atomic {
-		!(qlock != 0 || qlen == 0 || ((mstate & 1) && (mstate >> 1) != 0)) ->
+		(!(qlock != 0 || qlen == 0 || ((mstate & 1) && (mstate >> 1) != 0)) ||
+		 ANY_MISMARKED) ->
 		assert(false)
 	}
 }
