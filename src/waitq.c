@@ -76,8 +76,9 @@
 /* Such a thread spins behind the head only while the waiters, itself
  * included, are at most this many times the CPUs: further back its turn
  * is far off, and the yields of many such waiters kept the granted
- * thread from a CPU (64 threads on 2 CPUs, a review's harness: 0.55x
- * the grants of parking; with this bound 1.05x to 1.17x). */
+ * thread from a CPU (32 to 64 threads on 2 CPUs, a review's harness:
+ * 0.55x the grants of parking at once; with this bound 1.11x and 0.99x,
+ * 16 threads 1.29x, in a quick harness beside a CI run). */
 #define BEHIND_CPUS 4
 /* The period of the waiting-thread count, as a power of two of ns: about
  * 17 ms, a few time slices. */
@@ -745,9 +746,10 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * 2 CPUs: the busiest thread took the key 2.3 times as often as the
 	 * idlest).  As the head it yields once first, which lets such a
 	 * thread run and queue (with nobody else ready it costs one system
-	 * call).  Behind the head it does not sleep either: it gives its CPU
-	 * to the threads queued before it between its looks (SPIN_BEHIND),
-	 * about SPIN_NS for each waiter there was, so that each grant goes
+	 * call).  Behind the head it does not sleep either, while the
+	 * waiters are few enough (BEHIND_CPUS): it gives its CPU to the
+	 * threads queued before it between its looks (SPIN_BEHIND), about
+	 * SPIN_NS for each waiter there was, so that each grant goes
 	 * to a thread that runs or gets a CPU at the next look of the
 	 * thread on it, not to one that must be woken; once a grant makes
 	 * it the head it keeps its CPU (keylock-bench, empty section,
