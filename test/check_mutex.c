@@ -753,20 +753,20 @@ queued_behind(void *arg)
 	       test_behind() >= c->behind;
 }
 
-/* One round of test_asks_again_spins_behind: H holds, A and B queue and
- * park; H leaves (A granted, B prodded) and asks again, behind B; A
- * leaves (B granted, H the head), B leaves (H granted) once want_kept
- * waits spun behind it kept their CPU as the head.  With other, H also
- * holds a second mutex, on which C waits, and hands it on between.
- * Returns how many waits spun behind the head.  Each of the two grants that leave a new
- * head marks it: prodded if parked, headed if awake; *headed: how many
- * were headed. */
 static bool
 kept_at_least(void *arg)
 {
 	return test_kept() >= *(long *)arg;
 }
 
+/* One round of test_asks_again_spins_behind: H holds, A and B queue and
+ * park; H leaves (A granted, B prodded) and asks again, behind B; A
+ * leaves (B granted, H the head), B leaves (H granted) once want_kept
+ * waits spun behind it kept their CPU as the head.  With other, H also
+ * holds a second mutex, on which C waits, and hands it on between.
+ * Returns how many waits spun behind the head.  Each of the two grants
+ * that leave a new head marks it: prodded if parked, headed if awake;
+ * *headed: how many were headed. */
 static long
 asks_again_round(bool cpus, bool other, long want_behind, long want_kept,
 		 long *headed)
