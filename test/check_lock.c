@@ -525,6 +525,126 @@ START_TEST(test_grant_prods_parked_new_head)
 }
 END_TEST
 
+/* A holder for test_asks_again_spins_behind: takes the key and says so
+ * (state 1), gives it back when the test says (2), then, with again, asks
+ * for it at once and holds it (3) until the test says (4); done (5). */
+struct holder {
+	kl_lock *l;
+	bool again;
+	atomic_int state;
+	int rc[2];
+};
+
+static void *
+holder_main(void *arg)
+{
+	struct holder *h = arg;
+	kl_lease *lease = NULL;
+
+	h->rc[0] = kl_lock_acquire(h->l, NULL, &lease, NULL);
+	atomic_store(&h->state, 1);
+	while (atomic_load(&h->state) != 2)
+		sched_yield();
+	kl_lease_release(lease);
+	if (h->again) {
+		h->rc[1] = kl_lock_acquire(h->l, NULL, &lease, NULL);
+		atomic_store(&h->state, 3);
+		while (atomic_load(&h->state) != 4)
+			sched_yield();
+		kl_lease_release(lease);
+	}
+	atomic_store(&h->state, 5);
+	return NULL;
+}
+
+struct holder_cond {
+	struct holder *h;
+	int state;
+	kl_provider *p; /* with n: the key's queue size too */
+	size_t n;
+	long behind, kept; /* at least */
+};
+
+static bool
+holder_at(void *arg)
+{
+	struct holder_cond *c = arg;
+
+	return atomic_load(&c->h->state) == c->state &&
+	       test_behind() >= c->behind && test_kept() >= c->kept &&
+	       (c->p == NULL ||
+		kl_memory_provider_queue_size(c->p, "again") == c->n);
+}
+
+static void
+holder_wait(struct holder *h, int state, kl_provider *p, size_t n,
+	    long behind, long kept)
+{
+	struct holder_cond c = { h, state, p, n, behind, kept };
+
+	test_poll(holder_at, &c, "a holder's step");
+}
+
+/* The key table's release path notes the hand-off as kl_mutex's does
+ * (the mutex suite has the other cases): H holds, A and B queue and
+ * park; H gives the key back (A granted, B prodded) and asks again at
+ * once, behind B, where it spins giving its CPU away; A gives it back
+ * (B granted, H marked headed), H then keeps its CPU; B gives it back (H
+ * granted).  The hooks force the crowd and widen "at once". */
+START_TEST(test_asks_again_spins_behind)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "again", KL_FOREVER, 0, NULL, NULL);
+	long cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1;
+	long parked = test_parked(), behind, headed, kept, prods;
+	struct holder h[3]; /* H, A, B */
+	pthread_t th[3];
+
+	memset(h, 0, sizeof h);
+	test_crowd(1);
+	test_asks_again_ns(INT64_C(60000000000));
+	test_behind_ns(INT64_C(60000000000));
+	test_neighbours(-1);
+	for (int i = 0; i < 3; i++) {
+		h[i].l = l;
+		h[i].again = i == 0;
+		atomic_init(&h[i].state, 0);
+	}
+	test_thread_start(&th[0], holder_main, &h[0]);
+	holder_wait(&h[0], 1, NULL, 0, 0, 0);
+	test_thread_start(&th[1], holder_main, &h[1]);
+	wait_queue(p, "again", 1);
+	test_thread_start(&th[2], holder_main, &h[2]);
+	wait_queue(p, "again", 2);
+	test_wait_parked(parked + 2);
+	behind = test_behind();
+	headed = test_headed();
+	kept = test_kept();
+	prods = test_prods();
+	atomic_store(&h[0].state, 2);
+	holder_wait(&h[1], 1, p, 2, behind + cpus, 0);
+	atomic_store(&h[1].state, 2);
+	holder_wait(&h[2], 1, NULL, 0, 0, kept + cpus);
+	atomic_store(&h[2].state, 2);
+	holder_wait(&h[0], 3, NULL, 0, 0, 0);
+	atomic_store(&h[0].state, 4);
+	for (int i = 0; i < 3; i++) {
+		holder_wait(&h[i], 5, NULL, 0, 0, 0);
+		test_thread_join(th[i]);
+		ck_assert_int_eq(h[i].rc[0], KL_OK);
+	}
+	ck_assert_int_eq(h[0].rc[1], KL_OK);
+	ck_assert_int_eq(test_behind() - behind, cpus);
+	ck_assert_int_eq(test_kept() - kept, cpus);
+	ck_assert_int_eq(test_headed() - headed, cpus); /* H, by A */
+	ck_assert_int_eq(test_prods() - prods, cpus);   /* B, by H */
+	ck_assert_uint_eq(kl_memory_provider_size(p), 0);
+	kl_lock_free(l);
+	kl_provider_free(p);
+	test_spin_reset();
+}
+END_TEST
+
 /* ------------------------------------------------------------------ */
 /* Timeouts and cancellation                                           */
 
@@ -2699,9 +2819,13 @@ lock_suite(void)
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("order");
+	/* test_asks_again_spins_behind's hooks, also after it failed
+	 * without fork. */
+	tcase_add_checked_fixture(tc, NULL, test_spin_reset);
 	tcase_set_timeout(tc, 60);
 	tcase_add_test(tc, test_grants_in_arrival_order);
 	tcase_add_test(tc, test_grant_prods_parked_new_head);
+	tcase_add_test(tc, test_asks_again_spins_behind);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("timeout_cancel");

@@ -700,9 +700,10 @@ END_TEST
  * it and at once asks for it again. */
 struct again {
 	kl_mutex *m;
+	kl_mutex *m2; /* NULL, or one more to hand on after m */
 	atomic_int step; /* 1 holds, 2 (the test) go on, 3 holds again */
 	kl_token tok;
-	int rc[3];
+	int rc[5];
 };
 
 static bool
@@ -721,13 +722,16 @@ static void *
 again_main(void *arg)
 {
 	struct again *a = arg;
-	kl_token t;
+	kl_token t, t2;
 
 	a->rc[0] = kl_mutex_enter(a->m, KL_FOREVER, NULL, &t);
+	a->rc[3] = a->m2 == NULL ? KL_OK
+				 : kl_mutex_enter(a->m2, KL_FOREVER, NULL, &t2);
 	atomic_store(&a->step, 1);
 	while (atomic_load(&a->step) != 2)
 		sched_yield();
 	a->rc[1] = kl_mutex_leave(a->m, t, false);
+	a->rc[4] = a->m2 == NULL ? KL_OK : kl_mutex_leave(a->m2, t2, false);
 	a->rc[2] = kl_mutex_enter(a->m, KL_FOREVER, NULL, &a->tok);
 	atomic_store(&a->step, 3);
 	return NULL;
@@ -749,25 +753,30 @@ queued_behind(void *arg)
 	       test_behind() >= c->behind;
 }
 
-/* One round of test_asks_again_spins_behind: H holds, A and B queue and
- * park; H leaves (A granted, B prodded) and asks again, behind B; A
- * leaves (B granted, H the head), B leaves (H granted) once want_kept
- * waits spun behind it kept their CPU as the head.  Returns how many
- * waits spun behind the head.  Each of the two grants that leave a new
- * head marks it: prodded if parked, headed if awake; *headed: how many
- * were headed. */
 static bool
 kept_at_least(void *arg)
 {
 	return test_kept() >= *(long *)arg;
 }
 
+/* One round of test_asks_again_spins_behind: H holds, A and B queue and
+ * park; H leaves (A granted, B prodded) and asks again, behind B; A
+ * leaves (B granted, H the head), B leaves (H granted) once want_kept
+ * waits spun behind it kept their CPU as the head.  With other, H also
+ * holds a second mutex, on which C waits, and hands it on between.
+ * Returns how many waits spun behind the head.  Each of the two grants
+ * that leave a new head marks it: prodded if parked, headed if awake;
+ * *headed: how many were headed. */
 static long
-asks_again_round(bool cpus, long want_behind, long want_kept, long *headed)
+asks_again_round(bool cpus, bool other, long want_behind, long want_kept,
+		 long *headed)
 {
 	kl_mutex *m = new_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, 0);
+	kl_mutex *m2 = other ? new_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, 0)
+			     : NULL;
 	struct tw_group *g = tw_mutex(m, false);
-	struct again a = { .m = m };
+	struct tw_group *g2 = other ? tw_mutex(m2, false) : NULL;
+	struct again a = { .m = m, .m2 = m2 };
 	struct behind_cond c = { .m = m, .g = g };
 	pthread_t th;
 	long parked = test_parked(), behind, prods, headed0;
@@ -777,7 +786,9 @@ asks_again_round(bool cpus, long want_behind, long want_kept, long *headed)
 	test_thread_start(&th, again_main, &a);
 	test_poll(again_holds, &a, "H to take the mutex");
 	tw_start_n_queued(g, 2, KL_FOREVER, NULL); /* A, B */
-	test_wait_parked(parked + 2);
+	if (other)
+		tw_start_queued(g2, KL_FOREVER, NULL); /* C, on m2 */
+	test_wait_parked(parked + 2 + other);
 	behind = test_behind();
 	prods = test_prods();
 	headed0 = test_headed();
@@ -789,13 +800,20 @@ asks_again_round(bool cpus, long want_behind, long want_kept, long *headed)
 	ck_assert_int_eq(tw_pass(g), 1); /* B leaves: H's turn */
 	test_poll(again_holds_again, &a, "H to hold the mutex again");
 	test_thread_join(th);
-	for (int i = 0; i < 3; i++)
+	for (int i = 0; i < 5; i++)
 		ck_assert_int_eq(a.rc[i], KL_OK);
 	ck_assert_int_eq(kl_mutex_leave(m, a.tok, false), KL_OK);
 	tw_join_all(g);
 	assert_free(m);
 	tw_free(g);
 	kl_mutex_free(m);
+	if (other) {
+		ck_assert_int_eq(tw_pass(g2), 0); /* C, granted by H */
+		tw_join_all(g2);
+		assert_free(m2);
+		tw_free(g2);
+		kl_mutex_free(m2);
+	}
 	*headed = test_headed() - headed0;
 	ck_assert_int_eq(test_prods() - prods + *headed, cpus ? 2 : 0);
 	return test_behind() - behind;
@@ -819,8 +837,8 @@ START_TEST(test_asks_again_spins_behind)
 	test_asks_again_ns(INT64_C(60000) * MS);
 	test_behind_ns(INT64_C(60000) * MS);
 	test_neighbours(-1);
-	ck_assert_int_eq(asks_again_round(cpus, cpus ? 1 : 0, cpus ? 1 : 0,
-					  &headed),
+	ck_assert_int_eq(asks_again_round(cpus, false, cpus ? 1 : 0,
+					  cpus ? 1 : 0, &headed),
 			 cpus ? 1 : 0);
 	ck_assert_int_eq(headed, cpus ? 1 : 0);
 	/* and, marked, it kept its CPU as the head. */
@@ -828,19 +846,22 @@ START_TEST(test_asks_again_spins_behind)
 	/* As it would spin behind: for a while, then it parks. */
 	test_behind_ns(-1);
 	test_neighbours(0);
-	ck_assert_int_eq(asks_again_round(cpus, cpus ? 1 : 0, 0, &headed),
+	ck_assert_int_eq(asks_again_round(cpus, false, cpus ? 1 : 0, 0,
+					  &headed),
 			 cpus ? 1 : 0);
+	/* Another mutex handed on since: not asking again. */
+	ck_assert_int_eq(asks_again_round(cpus, true, 0, 0, &headed), 0);
 	/* Not at once: no spin behind the head. */
 	test_asks_again_ns(0);
-	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	ck_assert_int_eq(asks_again_round(cpus, false, 0, 0, &headed), 0);
 	/* Beside busy neighbours it parks instead. */
 	test_asks_again_ns(INT64_C(60000) * MS);
 	test_neighbours(1);
-	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	ck_assert_int_eq(asks_again_round(cpus, false, 0, 0, &headed), 0);
 	test_neighbours(0);
 	/* Without a crowd neither. */
 	test_crowd(0);
-	ck_assert_int_eq(asks_again_round(cpus, 0, 0, &headed), 0);
+	ck_assert_int_eq(asks_again_round(cpus, false, 0, 0, &headed), 0);
 	test_spin_reset();
 }
 END_TEST
@@ -2029,6 +2050,9 @@ mutex_suite(void)
 
 	tc = tcase_create("fifo");
 	tcase_set_timeout(tc, 120);
+	/* test_asks_again_spins_behind's hooks, also after it failed
+	 * without fork. */
+	tcase_add_checked_fixture(tc, NULL, test_spin_reset);
 	tcase_add_test(tc, test_fifo_grant_order);
 	tcase_add_test(tc, test_fifo_long_queues);
 	tcase_add_test(tc, test_direct_hand_off);

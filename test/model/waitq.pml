@@ -240,7 +240,9 @@ inline settle(w, old)
 	atomic { old = word[w]; word[w] = SETTLED }
 }
 
-/* The headed mark of w: only while w waits, whose frame it writes. */
+/* The headed mark of w: only while w waits, whose frame it writes (once
+ * its word is SETTLED, w may return at any step; over[w] says it did, a
+ * step later than the C code's frame is gone). */
 inline headed_mark(w)
 {
 	assert(word[w] != SETTLED);
