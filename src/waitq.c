@@ -753,16 +753,16 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * to a thread that runs or gets a CPU at the next look of the
 	 * thread on it, not to one that must be woken; once a grant makes
 	 * it the head it keeps its CPU (keylock-bench, empty section,
-	 * unpinned, 2 and 3 full runs, max/min 1.00 to 1.08 throughout: 4
-	 * threads 67 to 128 k grants a second before, 417 to 743 k so; 8
-	 * threads 38 to 58 k before, 205 to 480 k).  A thread that did a
+	 * unpinned, two full runs each, max/min 1.00 to 1.03 throughout: 4
+	 * threads 73 to 97 k grants a second before, 342 to 713 k so; 8
+	 * threads 80 to 91 k before, 292 to 405 k).  A thread that did a
 	 * few microseconds of work in between does neither: its yield handed
 	 * the CPU to a thread in the middle of its own work, the grant then
 	 * waited for that thread to give it back, and the next threads
 	 * queued behind the grant, a convoy the lock seldom left (4 threads,
-	 * 400 ns sections and 4 us between: 274 to 381 k grants a second
-	 * with max/min 1.13 to 1.24 with the yield, 404 to 418 k and 1.06 to
-	 * 1.17 without; spinning behind the head too, as every waiter in a
+	 * 400 ns sections and 4 us between: 367 to 392 k grants a second
+	 * with max/min 1.09 to 1.25 with the yield, 393 to 416 k and 1.06 to
+	 * 1.09 without; spinning behind the head too, as every waiter in a
 	 * crowd: 220 to 250 k).  The yield is a cure
 	 * for turns taken one thread at a time, so a shared request, or one
 	 * on a key held shared (mixed), does not yield first: readers are
