@@ -308,9 +308,10 @@ KL_HIDDEN void kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w);
  * by the time its own grant comes.  Lock held.  Returns what to kl__unpark
  * after dropping it, besides the granted waiter's wake-up. */
 KL_HIDDEN void *kl__waitq_prod(struct kl__waitq *q);
-/* After a release that took q's lock, without the lock: kl__unpark(prod),
- * and notes that this thread has just handed q on, for its next wait (a
- * thread that asks again at once: see kl__waitq_wait). */
+/* After a release that took the queue's lock, without the lock:
+ * kl__unpark(prod), and, unless q is NULL (nothing was passed on), notes
+ * that this thread has just handed q on, for its next wait (a thread that
+ * asks again at once: see kl__waitq_wait). */
 KL_HIDDEN void kl__waitq_released(const struct kl__waitq *q, void *prod);
 /* Publishes w's outcome to it.  Lock held.  Returns what kl__unpark needs
  * to wake it (NULL when it is not parked), to be called after the lock is

@@ -929,8 +929,10 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 {
 	struct wakes k = { .n = 0 };
 	struct kl__waiter *granted;
-	/* Only compared after e is freed (kl__waitq_released). */
-	const struct kl__waitq *q = &e->q;
+	/* The queue passed on, if any: only compared once e may be freed
+	 * (kl__waitq_released); a shared holder's release that leaves the
+	 * key held or idle notes nothing, and reads no clock. */
+	const struct kl__waitq *handed = NULL;
 	void *prod = NULL;
 	uint64_t st, f;
 	bool held = false;
@@ -957,6 +959,7 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 				      memory_order_release);
 		settle_all(granted, &k);
 		prod = kl__waitq_prod(&e->q);
+		handed = &e->q;
 		e = NULL;
 	} else if (held) {
 		/* Other shared holders remain. */
@@ -977,7 +980,7 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 	pthread_mutex_unlock(&s->lock);
 	KL_YIELD("free");
 	wakes_run(&k);
-	kl__waitq_released(q, prod);
+	kl__waitq_released(handed, prod);
 	kl__free(e);
 }
 

@@ -567,17 +567,23 @@ enum spin_how {
 	SPIN_BEHIND
 };
 
+/* When a spin of w from now for budget_ns ends: not past the wait's end,
+ * whose timeout is seen after the spin. */
+static int64_t
+spin_end(const struct kl__waiter *w, int64_t now, int64_t budget_ns)
+{
+	int64_t until = add_ns(now, budget_ns);
+
+	return until < w->expire_ns ? until : w->expire_ns;
+}
+
 /* Spins until w's outcome is published or budget_ns pass, as how says. */
 static void
 spin(struct kl__waiter *w, enum spin_how how, int64_t budget_ns)
 {
-	int64_t now = kl__now_ns(), until = add_ns(now, budget_ns), before;
+	int64_t now = kl__now_ns(), until = spin_end(w, now, budget_ns), before;
 	bool give = how != SPIN_KEEP && !neighbours(now);
 	int looks;
-
-	/* Not past the wait's end: its timeout is seen after the spin. */
-	if (until > w->expire_ns)
-		until = w->expire_ns;
 
 	if (how == SPIN_BEHIND) {
 		if (!give)
@@ -604,9 +610,7 @@ spin(struct kl__waiter *w, enum spin_how how, int64_t budget_ns)
 			how = SPIN_KEEP;
 			give = false;
 			looks = 64;
-			until = add_ns(now, SPIN_NS);
-			if (until > w->expire_ns)
-				until = w->expire_ns;
+			until = spin_end(w, now, SPIN_NS);
 			continue;
 		}
 		if (now >= until)
@@ -620,9 +624,10 @@ spin(struct kl__waiter *w, enum spin_how how, int64_t budget_ns)
 			atomic_store_explicit(&neighbours_until,
 					      now + NEIGHBOURS_NS,
 					      memory_order_relaxed);
-			if (how == SPIN_BEHIND &&
-			    !atomic_load_explicit(&w->headed,
-						  memory_order_relaxed))
+			/* Behind the head it parks; if a grant marked it
+			 * headed meanwhile, its own grant wakes it, a
+			 * wake-up paid beside busy neighbours only. */
+			if (how == SPIN_BEHIND)
 				return;
 			give = false;
 			looks = 64;
@@ -660,8 +665,10 @@ void
 kl__waitq_released(const struct kl__waitq *q, void *prod)
 {
 	kl__unpark(prod);
-	handed_q = (uintptr_t)q;
-	handed_ns = kl__now_ns();
+	if (q != NULL) {
+		handed_q = (uintptr_t)q;
+		handed_ns = kl__now_ns();
+	}
 }
 
 int
@@ -722,8 +729,8 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * own spin, table_acquire.c). */
 	w->spin = ncpu() > 1 &&
 		  (q->len == 1 || (w->shared && q->len <= 2 * (size_t)ncpu()));
-	full = q->len >= (size_t)ncpu();
 	len = q->len;
+	full = len >= (size_t)ncpu();
 	pthread_mutex_unlock(w->lock);
 	/* Only this thread reads mixed (yields): set without the lock. */
 	if (hinted && !neighbours(kl__now_ns())) {
