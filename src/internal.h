@@ -243,21 +243,30 @@ struct kl__waitq {
 	struct kl__waiter *head;
 	uint32_t len; /* waiting threads: far below 2^32 */
 	/* A shared request has waited here since the queue's owner last
-	 * changed keys (kl__waitq_readers_forget): a hint for the spin,
+	 * changed keys (kl__waitq_forget_hints): a hint for the spin,
 	 * see kl__waitq_wait. */
 	atomic_bool readers; /* relaxed: a hint, written without the lock
 			      * when a slot takes another key */
+	/* The spins that ended parked in a row, and the waits since the
+	 * last one that spun while those were many (spin_skipped in
+	 * waitq.c).  Under the lock, or with nobody waiting. */
+	uint8_t spin_misses, spin_probe;
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
 
-/* Forgets the readers hint (struct kl__waitq): its owner now serves
- * another key.  Nobody waits on q. */
+/* Forgets the readers hint (struct kl__waitq), and with other_key the
+ * spin's misses, which say how long the key is held and so stay while the
+ * queue's owner serves the same key again.  Nobody waits on q. */
 static inline void
-kl__waitq_readers_forget(struct kl__waitq *q)
+kl__waitq_forget_hints(struct kl__waitq *q, bool other_key)
 {
 	atomic_store_explicit(&q->readers, false, memory_order_relaxed);
+	if (other_key) {
+		q->spin_misses = 0;
+		q->spin_probe = 0;
+	}
 }
 
 /* The newest waiter, NULL when the queue is empty.  Lock held. */
@@ -470,6 +479,12 @@ KL_API long kl__test_headed(void);
 /* Waits that spun behind the head and, marked headed, then kept their
  * CPU (waitq.c, spin). */
 KL_API long kl__test_kept(void);
+/* How long the head spins before it parks (waitq.c, head_spin_ns);
+ * negative: as it would. */
+KL_API void kl__test_head_spin_ns(int64_t ns);
+/* Waits that parked at once where they would have spun, their queue's
+ * spins having ended parked too often (waitq.c, spin_skipped). */
+KL_API long kl__test_spins_skipped(void);
 /* From now on a broken KL_ASSERT is counted and the program goes on (on),
  * or aborts it (off, the default).  Returns how many broke since the last
  * call: how a test shows that an assertion fires. */

@@ -585,6 +585,52 @@ holder_wait(struct holder *h, int state, kl_provider *p, size_t n,
 	test_poll(holder_at, &c, "a holder's step");
 }
 
+/* One wait of test_spin_learns: the test holds the key "learns" of l
+ * (*lease), a thread queues for it alone, and the test releases once the
+ * thread has parked; the thread runs and releases, the key is free, and
+ * the test takes it again, in the same slot.  Returns whether the wait
+ * parked without the spin it would have made. */
+static bool
+lone_key_wait(kl_provider *p, kl_lock *l, kl_lease **lease)
+{
+	long parked = test_parked(), skipped = test_spins_skipped();
+	struct lw w;
+
+	memset(&w, 0, sizeof w);
+	lw_start(&w, l, NULL, NULL);
+	wait_queue(p, "learns", 1);
+	test_wait_parked(parked + 1);
+	kl_lease_release(*lease);
+	lw_join(&w);
+	ck_assert_int_eq(w.rc, KL_OK);
+	ck_assert_int_eq(w.ran, 1);
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, lease, NULL), KL_OK);
+	return test_spins_skipped() != skipped;
+}
+
+/* The key table's queues learn as kl_mutex's do (check_mutex,
+ * test_spin_learns): four spins in a row that ended parked, then the
+ * waits park at once; what was learnt stays while the slot serves the
+ * same key, free in between. */
+START_TEST(test_spin_learns)
+{
+	kl_provider *p = private_provider();
+	kl_lock *l = lock_make(p, "learns", KL_FOREVER, 0, NULL, NULL);
+	bool cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1;
+	kl_lease *lease = NULL;
+
+	ck_assert_int_eq(kl_lock_acquire(l, NULL, &lease, NULL), KL_OK);
+	for (int i = 0; i < 4; i++)
+		ck_assert(!lone_key_wait(p, l, &lease));
+	for (int i = 0; i < 3; i++)
+		ck_assert(lone_key_wait(p, l, &lease) == cpus);
+	kl_lease_release(lease);
+	kl_lock_free(l);
+	kl_provider_free(p);
+}
+END_TEST
+
+
 /* The key table's release path notes the hand-off as kl_mutex's does
  * (the mutex suite has the other cases): H holds, A and B queue and
  * park; H gives the key back (A granted, B prodded) and asks again at
@@ -2826,6 +2872,7 @@ lock_suite(void)
 	tcase_add_test(tc, test_grants_in_arrival_order);
 	tcase_add_test(tc, test_grant_prods_parked_new_head);
 	tcase_add_test(tc, test_asks_again_spins_behind);
+	tcase_add_test(tc, test_spin_learns);
 	suite_add_tcase(s, tc);
 
 	tc = tcase_create("timeout_cancel");

@@ -866,6 +866,62 @@ START_TEST(test_asks_again_spins_behind)
 }
 END_TEST
 
+/* One wait of test_spin_learns: the test holds m (*held), a waiter queues
+ * alone, and the test leaves once the waiter has parked (parks) or at
+ * once; the waiter, granted, leaves, and the test takes m back.  Returns
+ * whether the wait parked without the spin it would have made. */
+static bool
+lone_wait(kl_mutex *m, struct tw_group *g, kl_token *held, bool parks)
+{
+	long parked = test_parked(), skipped = test_spins_skipped();
+	int i = tw_start_queued(g, KL_FOREVER, NULL);
+
+	if (parks)
+		test_wait_parked(parked + 1);
+	ck_assert_int_eq(kl_mutex_leave(m, *held, false), KL_OK);
+	tw_join(g, i);
+	ck_assert_int_eq(g->w[i].status, KL_OK);
+	ck_assert_int_eq(kl_mutex_try_enter(m, held), KL_OK);
+	return test_spins_skipped() != skipped;
+}
+
+/* Where the lock is held for longer than a spin, the lone waiter's spin
+ * only burns CPU: after four spins in a row that ended parked, waiters
+ * park at once, but one in sixteen spins to see whether the holds got
+ * short; one whose spin sees its grant starts the count over (waitq.c,
+ * SPIN_MISSES).  Order alone decides: the test leaves only once the
+ * waiter has parked, or, with a spin that lasts a minute, while it is
+ * certainly still spinning. */
+START_TEST(test_spin_learns)
+{
+	kl_token held;
+	kl_mutex *m = new_held_mutex(KL_UNBOUNDED, KL_OVERFLOW_THIS, &held);
+	struct tw_group *g = tw_mutex(m, true);
+	bool cpus = sysconf(_SC_NPROCESSORS_ONLN) > 1; /* else none spins */
+	int i;
+
+	for (i = 0; i < 4; i++)
+		ck_assert(!lone_wait(m, g, &held, true));
+	for (i = 0; i < 15; i++)
+		ck_assert(lone_wait(m, g, &held, true) == cpus);
+	/* The probe spins, and parks: still long. */
+	ck_assert(!lone_wait(m, g, &held, true));
+	for (i = 0; i < 15; i++)
+		ck_assert(lone_wait(m, g, &held, true) == cpus);
+	/* This probe sees its grant while it spins. */
+	test_head_spin_ns(INT64_C(60000) * MS);
+	ck_assert(!lone_wait(m, g, &held, false));
+	test_head_spin_ns(-1);
+	for (i = 0; i < 4; i++)
+		ck_assert(!lone_wait(m, g, &held, true));
+	ck_assert(lone_wait(m, g, &held, true) == cpus);
+	ck_assert_int_eq(kl_mutex_leave(m, held, false), KL_OK);
+	assert_free(m);
+	tw_free(g);
+	kl_mutex_free(m);
+}
+END_TEST
+
 START_TEST(test_timed_out_waiter_leaves_queue)
 {
 	kl_token held;
@@ -2058,6 +2114,7 @@ mutex_suite(void)
 	tcase_add_test(tc, test_direct_hand_off);
 	tcase_add_test(tc, test_grant_prods_parked_new_head);
 	tcase_add_test(tc, test_asks_again_spins_behind);
+	tcase_add_test(tc, test_spin_learns);
 	tcase_add_test(tc, test_timed_out_waiter_leaves_queue);
 	tcase_add_test(tc, test_timeout_not_early);
 	tcase_add_test(tc, test_leave_abort_pending);

@@ -399,11 +399,24 @@ test_kept(void)
 }
 
 void
+test_head_spin_ns(int64_t ns)
+{
+	kl__test_head_spin_ns(ns);
+}
+
+long
+test_spins_skipped(void)
+{
+	return kl__test_spins_skipped();
+}
+
+void
 test_spin_reset(void)
 {
 	kl__test_crowd(-1);
 	kl__test_asks_again_ns(-1);
 	kl__test_behind_ns(-1);
+	kl__test_head_spin_ns(-1);
 	kl__test_neighbours(0);
 }
 #endif

@@ -117,9 +117,10 @@ long test_parked(void);
 void test_wait_parked(long n);
 long test_prods(void);
 /* The spin's test hooks (kl__test_crowd, kl__test_asks_again_ns,
- * kl__test_behind_ns, kl__test_neighbours, kl__test_behind,
- * kl__test_headed, kl__test_kept); test build only.  test_spin_reset
- * puts the settings back as they were. */
+ * kl__test_behind_ns, kl__test_head_spin_ns, kl__test_neighbours,
+ * kl__test_behind, kl__test_headed, kl__test_kept,
+ * kl__test_spins_skipped); test build only.  test_spin_reset puts the
+ * settings back as they were. */
 void test_crowd(int how);
 void test_asks_again_ns(int64_t ns);
 void test_behind_ns(int64_t ns);
@@ -127,6 +128,8 @@ void test_neighbours(int how);
 long test_behind(void);
 long test_headed(void);
 long test_kept(void);
+void test_head_spin_ns(int64_t ns);
+long test_spins_skipped(void);
 void test_spin_reset(void);
 
 /* ------------------------------------------------------------------ */
