@@ -78,7 +78,11 @@
  * The mutex's spin is modelled by where it can end (waitq.c, spin): it
  * sees SETTLED, or it gives up (SPIN_NS ran out) and goes on to park; see
  * inline spin.  Any decision to stop spinning must end the same way,
- * through the CAS from AWAKE (mutant-spin-park).
+ * through the CAS from AWAKE (mutant-spin-park).  A head that skips its
+ * spin (waitq.c, spin_skipped: its queue's spins kept ending parked) is
+ * a spin that gives up at its first step, which the model already takes;
+ * the miss count only chooses between outcomes the model explores, and
+ * the grant reads the waiter's word for it without changing it.
  *
  * Assertions:
  * - at most one owner, and a client's result agrees with ownership
