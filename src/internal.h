@@ -206,6 +206,7 @@ struct kl__waiter {
 	int state;         /* enum kl__wstate */
 	int status;        /* with KL_W_DONE */
 	bool spin;         /* may spin before parking */
+	bool lone;         /* spins as the only waiter: see SPIN_MISSES */
 	bool front;        /* queue at the head (a woken waiter going back) */
 	bool shared;       /* a shared request: may spin behind the head */
 	bool mixed;        /* waits on a key held shared (see yields) */
@@ -247,26 +248,24 @@ struct kl__waitq {
 	 * see kl__waitq_wait. */
 	atomic_bool readers; /* relaxed: a hint, written without the lock
 			      * when a slot takes another key */
-	/* The spins that ended parked in a row, and the waits since the
-	 * last one that spun while those were many (spin_skipped in
-	 * waitq.c).  Under the lock, or with nobody waiting. */
+	/* The lone waiters' spins that ended parked in a row, and the
+	 * waits since the last one that spun while those were many
+	 * (spin_skipped in waitq.c).  Under the lock, or with nobody
+	 * waiting. */
 	uint8_t spin_misses, spin_probe;
 };
 
 /* lock: the caller's lock, which guards the queue (kept by the waiters). */
 KL_HIDDEN void kl__waitq_init(struct kl__waitq *q, pthread_mutex_t *lock);
 
-/* Forgets the readers hint (struct kl__waitq), and with other_key the
- * spin's misses, which say how long the key is held and so stay while the
- * queue's owner serves the same key again.  Nobody waits on q. */
+/* Forgets the readers hint and the spin's misses (struct kl__waitq): its
+ * owner now serves another key.  Nobody waits on q. */
 static inline void
-kl__waitq_forget_hints(struct kl__waitq *q, bool other_key)
+kl__waitq_forget_hints(struct kl__waitq *q)
 {
 	atomic_store_explicit(&q->readers, false, memory_order_relaxed);
-	if (other_key) {
-		q->spin_misses = 0;
-		q->spin_probe = 0;
-	}
+	q->spin_misses = 0;
+	q->spin_probe = 0;
 }
 
 /* The newest waiter, NULL when the queue is empty.  Lock held. */

@@ -144,7 +144,6 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	 * slot_mark_chained), so a mark set and gone after st was read
 	 * means the word changed and the swap fails. */
 	uint64_t lo = __atomic_load_n(&s->floor[i], __ATOMIC_RELAXED);
-	bool other_key;
 
 	KL_ASSERT(!(st & (E_HELD | E_BUSY)));
 	busy = (((f > lo ? f : lo) + 1) << FENCE_SHIFT) | (st & E_CHAIN) |
@@ -162,9 +161,6 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	 * fence pairs with the one in fast_acquire), so its own
 	 * compare-and-swap against the old word fails. */
 	atomic_thread_fence(memory_order_release);
-	/* The hash, not the key: a hint carried over by a collision is
-	 * only a hint. */
-	other_key = __atomic_load_n(&e->hash, __ATOMIC_RELAXED) != h;
 	__atomic_store_n(&e->hash, h, __ATOMIC_RELAXED);
 	__atomic_store_n(&e->len, (uint32_t)len, __ATOMIC_RELAXED);
 	__atomic_store_n(&k[0], w[0], __ATOMIC_RELAXED);
@@ -172,7 +168,7 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	atomic_store_explicit(&e->owner_tid, kl__thread_id(),
 			      memory_order_relaxed);
 	e->lock = NULL;
-	kl__waitq_forget_hints(&e->q, other_key);
+	kl__waitq_forget_hints(&e->q);
 	KL_YIELD("slot busy");
 	/* Nobody else changes a busy word. */
 	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,

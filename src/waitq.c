@@ -80,8 +80,8 @@
  * 0.55x the grants of parking at once; with this bound 1.11x and 0.99x,
  * 16 threads 1.29x, in a quick harness beside a CI run). */
 #define BEHIND_CPUS 4
-/* A waiter that would spin parks at once once this many spins on its
- * queue in a row ended parked: the lock is held for longer than a spin
+/* A lone waiter that would spin parks at once once this many such
+ * spins on its queue in a row ended parked: the lock is held for longer than a spin
  * there, and the spin only burned SPIN_NS of CPU per wait.  It cost the
  * wait more than that: a thread that spun before it parked is woken with
  * less of a claim to its CPU, and on a CPU kept busy by its waker it ran
@@ -428,6 +428,7 @@ kl__waiter_prepare(struct kl__waiter *w, pthread_mutex_t *lock,
 	w->state = KL_W_INIT;
 	w->status = KL_OK;
 	w->spin = false;
+	w->lone = false;
 	w->front = false;
 	w->shared = false;
 	w->mixed = false;
@@ -781,8 +782,11 @@ kl__waitq_wait(struct kl__waitq *q, struct kl__waiter *w,
 	 * own spin, table_acquire.c). */
 	w->spin = ncpu() > 1 &&
 		  (q->len == 1 || (w->shared && q->len <= 2 * (size_t)ncpu()));
-	if (w->spin && spin_skipped(q))
-		w->spin = false;
+	/* Only the lone waiter learns: a shared one behind a writer waits
+	 * for the writer's section, however short the readers' are. */
+	w->lone = w->spin && q->len == 1;
+	if (w->lone && spin_skipped(q))
+		w->spin = w->lone = false;
 	len = q->len;
 	full = len >= (size_t)ncpu();
 	pthread_mutex_unlock(w->lock);
@@ -993,7 +997,7 @@ kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w)
 	KL_ASSERT(w->state == KL_W_WAITING && w->q == q);
 	/* A waiter that spun and is still awake saw its grant coming (or
 	 * is about to park on a grant it will find): see SPIN_MISSES. */
-	if (w->spin) {
+	if (w->lone) {
 		if (atomic_load_explicit(&w->word, memory_order_relaxed) ==
 		    W_AWAKE)
 			q->spin_misses = 0;

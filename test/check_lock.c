@@ -588,7 +588,7 @@ holder_wait(struct holder *h, int state, kl_provider *p, size_t n,
 /* One wait of test_spin_learns: the test holds the key "learns" of l
  * (*lease), a thread queues for it alone, and the test releases once the
  * thread has parked; the thread runs and releases, the key is free, and
- * the test takes it again, in the same slot.  Returns whether the wait
+ * the test takes it again, in the slot that kept it.  Returns whether the wait
  * parked without the spin it would have made. */
 static bool
 lone_key_wait(kl_provider *p, kl_lock *l, kl_lease **lease)
@@ -610,8 +610,8 @@ lone_key_wait(kl_provider *p, kl_lock *l, kl_lease **lease)
 
 /* The key table's queues learn as kl_mutex's do (check_mutex,
  * test_spin_learns): four spins in a row that ended parked, then the
- * waits park at once; what was learnt stays while the slot serves the
- * same key, free in between. */
+ * waits park at once; what was learnt stays while the slot keeps the
+ * key, free in between. */
 START_TEST(test_spin_learns)
 {
 	kl_provider *p = private_provider();

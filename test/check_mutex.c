@@ -890,7 +890,7 @@ lone_wait(kl_mutex *m, struct tw_group *g, kl_token *held, bool parks)
  * park at once, but one in sixteen spins to see whether the holds got
  * short; one whose spin sees its grant starts the count over (waitq.c,
  * SPIN_MISSES).  Order alone decides: the test leaves only once the
- * waiter has parked, or, with a spin that lasts a minute, while it is
+ * waiter has parked, or, with a spin that lasts ten seconds, while it is
  * certainly still spinning. */
 START_TEST(test_spin_learns)
 {
@@ -909,7 +909,7 @@ START_TEST(test_spin_learns)
 	for (i = 0; i < 15; i++)
 		ck_assert(lone_wait(m, g, &held, true) == cpus);
 	/* This probe sees its grant while it spins. */
-	test_head_spin_ns(INT64_C(60000) * MS);
+	test_head_spin_ns(INT64_C(10000) * MS);
 	ck_assert(!lone_wait(m, g, &held, false));
 	test_head_spin_ns(-1);
 	for (i = 0; i < 4; i++)
