@@ -80,9 +80,9 @@
  * 0.55x the grants of parking at once; with this bound 1.11x and 0.99x,
  * 16 threads 1.29x, in a quick harness beside a CI run). */
 #define BEHIND_CPUS 4
-/* A lone waiter that would spin parks at once once this many such
- * spins on its queue in a row ended parked: the lock is held for longer than a spin
- * there, and the spin only burned SPIN_NS of CPU per wait.  It cost the
+/* A lone waiter that would spin parks at once once this many such spins
+ * on its queue in a row ended parked: the lock is held for longer than a
+ * spin there, and the spin only burned SPIN_NS of CPU per wait.  It cost the
  * wait more than that: a thread that spun before it parked is woken with
  * less of a claim to its CPU, and on a CPU kept busy by its waker it ran
  * when that thread gave way (a sleeping waiter's hand-off on 2 CPUs, 6
@@ -995,8 +995,8 @@ void
 kl__waitq_grant(struct kl__waitq *q, struct kl__waiter *w)
 {
 	KL_ASSERT(w->state == KL_W_WAITING && w->q == q);
-	/* A waiter that spun and is still awake saw its grant coming (or
-	 * is about to park on a grant it will find): see SPIN_MISSES. */
+	/* A lone waiter still awake saw its grant coming (or is about to
+	 * park on a grant it will find): see SPIN_MISSES. */
 	if (w->lone) {
 		if (atomic_load_explicit(&w->word, memory_order_relaxed) ==
 		    W_AWAKE)
