@@ -588,8 +588,8 @@ holder_wait(struct holder *h, int state, kl_provider *p, size_t n,
 /* One wait of test_spin_learns: the test holds the key "learns" of l
  * (*lease), a thread queues for it alone, and the test releases once the
  * thread has parked; the thread runs and releases, the key is free, and
- * the test takes it again, in the slot that kept it.  Returns whether the wait
- * parked without the spin it would have made. */
+ * the test takes it again, in the slot that kept it.  Returns whether
+ * the wait parked without the spin it would have made. */
 static bool
 lone_key_wait(kl_provider *p, kl_lock *l, kl_lease **lease)
 {
@@ -629,7 +629,6 @@ START_TEST(test_spin_learns)
 	kl_provider_free(p);
 }
 END_TEST
-
 
 /* The key table's release path notes the hand-off as kl_mutex's does
  * (the mutex suite has the other cases): H holds, A and B queue and
