@@ -170,6 +170,10 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	e->lock = NULL;
 	kl__waitq_forget_hints(&e->q);
 	KL_YIELD("slot busy");
+	/* Release: a waiter that queues under the lock on the key just
+	 * claimed reads the queue's hints written above (spin_skipped);
+	 * its acquire is the one in slot_wait_unbusy. */
+	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	/* Nobody else changes a busy word. */
 	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,
 			      memory_order_release);
