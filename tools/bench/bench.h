@@ -287,9 +287,18 @@ struct cres {
 
 #define NHAND 4
 
+/* Where the hand-off's two threads run: wherever the scheduler puts
+ * them, or pinned to two CPUs, or to one.  A waiter woken on a halted
+ * CPU of a VM costs the hypervisor's wake-up, tens of microseconds for
+ * every lock, and which CPU an unpinned waiter slept on decides a run's
+ * median; the pinned placements compare the locks like for like. */
+enum place { P_UNPINNED, P_APART, P_TOGETHER, NPLACE };
+
 struct hres {
 	double *p50, *p99;
+	double *beside; /* share of grants run on the releaser's CPU */
 	double max;
+	bool ran;
 };
 
 /* ------------------------------------------------------------------ */
@@ -414,7 +423,8 @@ extern uint64_t total_sections;
 void run_contended_all(void);
 extern const enum kind hand_kinds[];
 extern const char *const hand_mode[2];
-extern struct hres hres[NHAND][2];
+extern const char *const place_name[NPLACE];
+extern struct hres hres[NPLACE][NHAND][2];
 void run_handoff_all(void);
 
 /* rwlock.c */

@@ -200,11 +200,15 @@ alloc_results(void)
 			}
 		cres_alloc(&cres_alt[k], n);
 	}
-	for (int k = 0; k < NHAND; k++)
-		for (int m = 0; m < 2; m++) {
-			hres[k][m].p50 = xcalloc(n, sizeof(double));
-			hres[k][m].p99 = xcalloc(n, sizeof(double));
-		}
+	for (int p = 0; p < NPLACE; p++)
+		for (int k = 0; k < NHAND; k++)
+			for (int m = 0; m < 2; m++) {
+				struct hres *h = &hres[p][k][m];
+
+				h->p50 = xcalloc(n, sizeof(double));
+				h->p99 = xcalloc(n, sizeof(double));
+				h->beside = xcalloc(n, sizeof(double));
+			}
 }
 
 int

@@ -139,19 +139,35 @@ print_json(void)
 	for (int k = 0; k < NKINDS; k++)
 		jcontended(&cres_alt[k], k, 2, 0, k == NKINDS - 1);
 	fputs("  ],\n  \"handoff_ns\": [\n", stdout);
-	for (int m = 0; m < 2; m++)
-		for (int k = 0; k < NHAND; k++) {
-			struct hres *h = &hres[k][m];
+	{
+		bool first = true;
 
-			printf("    {\"lock\": \"%s\", \"waiter\": \"%s\", ",
-			       kind_name[hand_kinds[k]], hand_mode[m]);
-			jsummary("p50", h->p50, opt.runs);
-			fputs(", ", stdout);
-			jsummary("p99", h->p99, opt.runs);
-			fputs(", \"max\": ", stdout);
-			jnum(h->max);
-			printf("}%s\n", m == 1 && k == NHAND - 1 ? "" : ",");
-		}
+		for (int p = 0; p < NPLACE; p++)
+			for (int m = 0; m < 2; m++)
+				for (int k = 0; k < NHAND; k++) {
+					struct hres *h = &hres[p][k][m];
+
+					if (!h->ran)
+						continue;
+					printf("%s    {\"lock\": \"%s\", "
+					       "\"waiter\": \"%s\", "
+					       "\"placed\": \"%s\", ",
+					       first ? "" : ",\n",
+					       kind_name[hand_kinds[k]],
+					       hand_mode[m], place_name[p]);
+					first = false;
+					jsummary("p50", h->p50, opt.runs);
+					fputs(", ", stdout);
+					jsummary("p99", h->p99, opt.runs);
+					fputs(", ", stdout);
+					jsummary("beside", h->beside,
+						 opt.runs);
+					fputs(", \"max\": ", stdout);
+					jnum(h->max);
+					fputs("}", stdout);
+				}
+		fputs("\n", stdout);
+	}
 	printf("  ],\n  \"readers_writers\": {\"threads\": %d, "
 	       "\"shared_percent\": %d, \"section_ns\": %d, "
 	       "\"kl_lock_x_rwlock\": ",

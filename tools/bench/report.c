@@ -147,9 +147,20 @@ evaluate(void)
 	snprintf(name, sizeof name, "%d thr %d%% shared: kl_lock / rwlock",
 		 rw_threads, rw_shared_percent);
 	target(name, rw_ratio, false, 0.5, NAN, "x");
-	target("hand-off p50 sleeping: kl_lock / fifo",
-	       paired_ratio(hres[3][0].p50, hres[1][0].p50, opt.runs), true,
-	       1.0, NAN, "x");
+	/* Judged where both threads are placed alike for every lock; the
+	 * unpinned ratio is shown: which CPU its waiter happened to sleep
+	 * on decided each run's median, for every lock (see enum place). */
+	for (int p = 0; p < NPLACE; p++) {
+		snprintf(name, sizeof name,
+			 "hand-off p50 sleeping, %s: kl_lock / fifo",
+			 place_name[p]);
+		target(name,
+		       paired_ratio(hres[p][3][0].p50, hres[p][1][0].p50,
+				    opt.runs),
+		       true, 1.0, NAN, "x");
+		if (p == P_UNPINNED)
+			targets[ntargets - 1].v = V_INFO;
+	}
 	/* Deadlock detection may cost nothing before deadlock_ms: the best
 	 * of a few passes within 5% of off.  The contended ratio is shown
 	 * beside it (see deadlock.c). */
@@ -321,25 +332,36 @@ print_table(void)
 	for (int k = 0; k < NKINDS; k++)
 		print_contended_row(&cres_alt[k], k, 2, 0);
 
-	printf("\nHand-off latency, release to the waiter running (us)\n");
-	printf("  %-14s %-9s %9s %9s %9s %9s %9s %9s %9s\n", "lock", "waiter",
-	       "p50", "min", "max", "p99", "min", "max", "worst");
-	for (int m = 0; m < 2; m++)
-		for (int k = 0; k < NHAND; k++) {
-			struct hres *h = &hres[k][m];
-			struct summary s50 = summarize(h->p50, opt.runs);
-			struct summary s99 = summarize(h->p99, opt.runs);
+	printf("\nHand-off latency, release to the waiter running (us); "
+	       "beside: the share of\ngrants the waiter ran on the "
+	       "releaser's CPU (median over repetitions)\n");
+	printf("  %-14s %-9s %-9s %8s %8s %8s %8s %8s %8s %8s %6s\n", "lock",
+	       "waiter", "placed", "p50", "min", "max", "p99", "min", "max",
+	       "worst", "beside");
+	for (int p = 0; p < NPLACE; p++)
+		for (int m = 0; m < 2; m++)
+			for (int k = 0; k < NHAND; k++) {
+				struct hres *h = &hres[p][k][m];
+				struct summary s50, s99, sb;
 
-			printf("  %-14s %-9s %9s %9s %9s %9s %9s %9s %9s\n",
-			       kind_label[hand_kinds[k]], hand_mode[m],
-			       fmt(a, sizeof a, s50.med / 1e3),
-			       fmt(b, sizeof b, s50.min / 1e3),
-			       fmt(c, sizeof c, s50.max / 1e3),
-			       fmt(d, sizeof d, s99.med / 1e3),
-			       fmt(e, sizeof e, s99.min / 1e3),
-			       fmt(f, sizeof f, s99.max / 1e3),
-			       fmt(g, sizeof g, h->max / 1e3));
-		}
+				if (!h->ran)
+					continue;
+				s50 = summarize(h->p50, opt.runs);
+				s99 = summarize(h->p99, opt.runs);
+				sb = summarize(h->beside, opt.runs);
+				printf("  %-14s %-9s %-9s %8s %8s %8s %8s %8s "
+				       "%8s %8s %5.0f%%\n",
+				       kind_label[hand_kinds[k]], hand_mode[m],
+				       place_name[p],
+				       fmt(a, sizeof a, s50.med / 1e3),
+				       fmt(b, sizeof b, s50.min / 1e3),
+				       fmt(c, sizeof c, s50.max / 1e3),
+				       fmt(d, sizeof d, s99.med / 1e3),
+				       fmt(e, sizeof e, s99.min / 1e3),
+				       fmt(f, sizeof f, s99.max / 1e3),
+				       fmt(g, sizeof g, h->max / 1e3),
+				       100 * sb.med);
+			}
 
 	printf("\nReaders/writers, one key, %d threads, %d%% shared / %d%% "
 	       "exclusive requests,\n%d ns sections, nothing between; every "
@@ -405,7 +427,7 @@ print_table(void)
 
 	printf("\nTargets%s\n",
 	       opt.quick ? " (quick pass: indicative, never judged)" : "");
-	printf("  %-40s %9s %-16s %s\n", "target", "value", "limit (stretch)",
+	printf("  %-48s %9s %-16s %s\n", "target", "value", "limit (stretch)",
 	       "verdict");
 	for (int i = 0; i < ntargets; i++) {
 		struct target *t = &targets[i];
@@ -418,7 +440,7 @@ print_table(void)
 			snprintf(lim, sizeof lim, "%s %g%s (%g)",
 				 t->at_most ? "<=" : ">=", t->limit, t->unit,
 				 t->stretch);
-		printf("  %-40s %9s %-16s %s%s\n", t->name,
+		printf("  %-48s %9s %-16s %s%s\n", t->name,
 		       fmt(c, sizeof c, t->value), lim, verdict_name[t->v],
 		       t->stretch_met ? " (stretch too)" : "");
 	}
