@@ -172,7 +172,8 @@ slot_claim(struct shard *s, struct kl__entry *e, uint64_t st, uint32_t h,
 	KL_YIELD("slot busy");
 	/* Release: a waiter that queues under the lock on the key just
 	 * claimed reads the queue's hints written above (spin_skipped);
-	 * its acquire is the one in slot_wait_unbusy. */
+	 * its acquire, and the annotation that pairs with this one, are in
+	 * slot_read. */
 	KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 	/* Nobody else changes a busy word. */
 	atomic_store_explicit(&e->state, busy & ~(uint64_t)E_BUSY,
@@ -966,13 +967,20 @@ release_locked(struct shard *s, struct kl__entry *e, struct kl__holder *h,
 		handed = &e->q;
 		e = NULL;
 	} else if (held) {
-		/* Other shared holders remain. */
+		/* Other shared holders remain; the lone one among them may
+		 * release without the lock (release_cas) after the writes
+		 * above: an edge for Helgrind as for a lock-free taker. */
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 		atomic_store_explicit(&e->state, held_word(e, st, f),
 				      memory_order_release);
 		e = NULL;
 	} else if (st & E_SLOT) {
-		/* Waiters came and went: idle, as after a CAS release. */
+		/* Waiters came and went: idle, as after a CAS release.  A
+		 * lock-free taker or stealer (slot_claim) sees what the
+		 * waiters and this release wrote under the lock through this
+		 * store alone, so Helgrind must see the edge too. */
 		atomic_store_explicit(&e->owner_tid, 0, memory_order_relaxed);
+		KL_ANNOTATE_HAPPENS_BEFORE(&e->state);
 		atomic_store_explicit(&e->state,
 				      st & ~(uint64_t)(E_HELD | E_WAITERS |
 						       E_SHARED | E_SOLO),

@@ -411,6 +411,11 @@ run_handoff_all(void)
 			for (int m = 0; m < 2; m++) {
 				if (m == 1 && p == P_TOGETHER)
 					continue;
+				/* No second CPU to pin to (or no pinning):
+				 * not measured rather than mislabelled. */
+				if ((p == P_APART && ncpus < 2) ||
+				    (p == P_TOGETHER && ncpus < 1))
+					continue;
 				for (int k = 0; k < NHAND; k++)
 					run_handoff(&subjects[hand_kinds[k]],
 						    m == 1,

@@ -155,10 +155,12 @@ evaluate(void)
 			 "hand-off p50 sleeping, %s: kl_lock / fifo",
 			 place_name[p]);
 		target(name,
-		       paired_ratio(hres[p][3][0].p50, hres[p][1][0].p50,
-				    opt.runs),
+		       hres[p][3][0].ran
+			       ? paired_ratio(hres[p][3][0].p50,
+					      hres[p][1][0].p50, opt.runs)
+			       : NAN,
 		       true, 1.0, NAN, "x");
-		if (p == P_UNPINNED)
+		if (p == P_UNPINNED && hres[p][3][0].ran)
 			targets[ntargets - 1].v = V_INFO;
 	}
 	/* Deadlock detection may cost nothing before deadlock_ms: the best
