@@ -304,6 +304,18 @@ cpu_now(void)
 #endif
 }
 
+/* Whether this thread runs on CPU rel, as far as it can tell. */
+static bool
+runs_on(int rel)
+{
+#ifdef __linux__
+	return rel >= 0 && sched_getcpu() == rel;
+#else
+	(void)rel;
+	return false;
+#endif
+}
+
 static void *
 hwaiter_main(void *arg)
 {
@@ -318,7 +330,7 @@ hwaiter_main(void *arg)
 		atomic_store_explicit(&sh->arrived, i, memory_order_release);
 		subject_acquire(sh->s, hot_key, &h);
 		sh->lat[i - 1] = (double)(now_ns() - sh->rel_ns);
-		if (sh->rel_cpu >= 0 && cpu_now() == sh->rel_cpu)
+		if (runs_on(sh->rel_cpu))
 			sh->beside++;
 		subject_release(sh->s, &h);
 		atomic_store_explicit(&sh->done, i, memory_order_release);
