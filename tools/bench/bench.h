@@ -273,13 +273,14 @@ extern struct bench_mem mem;
 
 struct crun {
 	double tput, fair, fair_all, chg;
+	double fair_cpu; /* max/min of grants per CPU second, in the window */
 	uint64_t ops, changes;
 	long violations;
 	struct csample sys; /* summed deltas over the workers */
 };
 
 struct cres {
-	double *tput, *fair, *fair_all, *chg; /* per repetition */
+	double *tput, *fair, *fair_all, *chg, *fair_cpu; /* per repetition */
 	struct hist h;             /* waits over all repetitions */
 	uint64_t ops;
 	long violations;

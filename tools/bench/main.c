@@ -183,6 +183,7 @@ cres_alloc(struct cres *c, size_t n)
 	c->fair = xcalloc(n, sizeof(double));
 	c->fair_all = xcalloc(n, sizeof(double));
 	c->chg = xcalloc(n, sizeof(double));
+	c->fair_cpu = xcalloc(n, sizeof(double));
 }
 
 static void

@@ -63,6 +63,8 @@ jcontended(const struct cres *c, int k, int nthreads, int sec, bool last)
 	jsummary("fairness_max_min", c->fair, opt.runs);
 	fputs(", ", stdout);
 	jsummary("fairness_from_start", c->fair_all, opt.runs);
+	fputs(", ", stdout);
+	jsummary("fairness_per_cpu_time", c->fair_cpu, opt.runs);
 	fputs(", \"wait_ns\": {\"p50\": ", stdout);
 	jnum(hist_pct(&c->h, 0.50));
 	fputs(", \"p99\": ", stdout);

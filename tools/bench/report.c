@@ -226,23 +226,24 @@ print_urow_label(char *buf, size_t size, int r)
 static void
 print_contended_head(void)
 {
-	printf("  %-14s %3s %-5s %9s %9s %9s %7s %7s %8s %8s %8s %4s\n",
+	printf("  %-14s %3s %-5s %9s %9s %9s %7s %7s %7s %8s %8s %8s %4s\n",
 	       "lock", "thr", "cs", "ops/s", "min", "max", "chg/acq",
-	       "max/min", "wait p50", "p99", "max", "viol");
+	       "max/min", "per-cpu", "wait p50", "p99", "max", "viol");
 }
 
 static void
 print_contended_row(struct cres *cr, int k, int nthreads, int sec)
 {
-	char a[32], b[32], c[32], d[32], e[32], f[32], g[32], h[32];
+	char a[32], b[32], c[32], d[32], e[32], f[32], g[32], h[32], u[32];
 	struct summary s = summarize(cr->tput, opt.runs);
 
-	printf("  %-14s %3d %-5s %9s %9s %9s %7s %7s %8s %8s %8s %4ld\n",
+	printf("  %-14s %3d %-5s %9s %9s %9s %7s %7s %7s %8s %8s %8s %4ld\n",
 	       kind_label[k], nthreads, sec_name[sec],
 	       fmt(a, sizeof a, s.med), fmt(b, sizeof b, s.min),
 	       fmt(c, sizeof c, s.max),
 	       fmt(d, sizeof d, summarize(cr->chg, opt.runs).med),
 	       fmt(e, sizeof e, summarize(cr->fair, opt.runs).med),
+	       fmt(u, sizeof u, summarize(cr->fair_cpu, opt.runs).med),
 	       fmt(f, sizeof f, hist_pct(&cr->h, 0.50) / 1e3),
 	       fmt(g, sizeof g, hist_pct(&cr->h, 0.99) / 1e3),
 	       fmt(h, sizeof h, (double)cr->h.max / 1e3), cr->violations);
