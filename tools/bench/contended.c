@@ -50,11 +50,15 @@ struct cworker {
 static int64_t
 thread_cpu_ns(void)
 {
+#ifdef CLOCK_THREAD_CPUTIME_ID
 	struct timespec ts;
 
 	if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0)
 		return 0;
 	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+#else
+	return 0;
+#endif
 }
 
 static void *
@@ -105,13 +109,17 @@ cworker_main(void *arg)
 		if (w->base == 0 && atomic_load_explicit(&sh->counting,
 							 memory_order_relaxed)) {
 			w->base = i + 1;
-			w->cpu0_ns = thread_cpu_ns();
+			/* Not in a run that counts system calls: it
+			 * makes one. */
+			if (!sh->count)
+				w->cpu0_ns = thread_cpu_ns();
 		}
 		spin_for(sh->work_out);
 	}
 	w->ops = i;
 	w->end_ns = now_ns();
-	w->cpu1_ns = thread_cpu_ns();
+	if (!sh->count)
+		w->cpu1_ns = thread_cpu_ns();
 	if (sh->count) {
 		counters_sample(&ctr, &w->c1);
 		counters_close(&ctr);
@@ -143,6 +151,7 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	uint64_t min = UINT64_MAX, max = 0, amin = UINT64_MAX, amax = 0;
 	uint64_t wops = 0;
 	double rmin = INFINITY, rmax = 0;
+	bool starved = false, cpu_unknown = false;
 	int64_t go_ns, from_ns, end_ns = 0;
 	bool windowed;
 	int rc;
@@ -194,8 +203,15 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 			     : w[i].base != 0 ? w[i].ops - w[i].base
 					      : 0;
 		wops += n;
-		if (windowed && w[i].cpu1_ns > w[i].cpu0_ns &&
-		    w[i].cpu0_ns > 0) {
+		/* Per CPU second: infinite when a thread starved in the
+		 * window, as max/min is; unknown without the window or the
+		 * clock. */
+		if (windowed && n == 0) {
+			starved = true;
+		} else if (!windowed || w[i].cpu0_ns <= 0 ||
+			   w[i].cpu1_ns <= w[i].cpu0_ns) {
+			cpu_unknown = true;
+		} else {
 			double r = (double)n /
 				   (double)(w[i].cpu1_ns - w[i].cpu0_ns);
 
@@ -203,8 +219,6 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 				rmin = r;
 			if (r > rmax)
 				rmax = r;
-		} else {
-			rmin = 0; /* unknown, or no CPU: no figure */
 		}
 		if (n < min)
 			min = n;
@@ -234,7 +248,7 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	out->tput = (double)wops / ((double)(end_ns - from_ns) / 1e9);
 	out->fair = min > 0 ? (double)max / (double)min : INFINITY;
 	out->fair_all = amin > 0 ? (double)amax / (double)amin : INFINITY;
-	out->fair_cpu = rmin > 0 ? rmax / rmin : NAN;
+	out->fair_cpu = starved ? INFINITY : cpu_unknown ? NAN : rmax / rmin;
 	out->chg = out->ops > 0 ? (double)out->changes / (double)out->ops
 				: NAN;
 	free(w);
