@@ -44,9 +44,9 @@ struct cworker {
 
 /* This thread's CPU time, 0 where the clock is missing.  With real work
  * outside the lock, how many grants a thread gets in a window followed
- * how much CPU the scheduler gave it (4 threads on 2 CPUs: grants max/min
- * 1.0 to 2.1, CPU time max/min the same within 0.05, grants per CPU
- * second 1.01 to 1.04), so the bench shows both. */
+ * how much CPU the scheduler gave it (kl_lock, 4 threads on 2 CPUs:
+ * grants max/min 1.0 to 2.1, CPU time max/min the same within 0.05,
+ * grants per CPU second 1.01 to 1.08), so the bench shows both. */
 static int64_t
 thread_cpu_ns(void)
 {
