@@ -15,7 +15,8 @@
  * pthread mutexes indexed by an FNV-1a hash of the key (the per-key lock
  * people write by hand) and a minimal strict-FIFO lock defined here (one
  * mutex, one condvar per waiter, direct hand-off): the fair lock keylock has
- * to beat.
+ * to beat.  Beside them the contended workloads run the same loop with no
+ * lock at all (K_NONE): what the scheduler alone gives each thread.
  *
  * Threads and locking: the main thread drives every workload.  A contended
  * run starts worker threads sharing one struct cshared whose plain fields
@@ -206,6 +207,9 @@ enum kind {
 	K_KL_MUTEX,
 	K_KL_LOCK,
 	K_KL_EVENTUAL,
+	/* No lock at all, work alone: how the scheduler shares the CPUs
+	 * among the threads, the floor under any lock's fairness. */
+	K_NONE,
 	NKINDS
 };
 
@@ -275,6 +279,7 @@ struct crun {
 	double tput, fair, fair_all, chg;
 	double fair_cpu; /* max/min of grants per CPU second, in the window */
 	uint64_t ops, changes;
+	uint64_t sections; /* ops under a lock: 0 with no lock (K_NONE) */
 	long violations;
 	struct csample sys; /* summed deltas over the workers */
 };

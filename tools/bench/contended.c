@@ -16,6 +16,7 @@ struct cshared {
 	struct subject *s;
 	int64_t work_in, work_out; /* ns */
 	bool count;
+	bool locked; /* false: no lock (K_NONE), nothing shared to check */
 	int nthreads;
 	atomic_int ready, entered;
 	atomic_bool go, stop, counting;
@@ -80,22 +81,25 @@ cworker_main(void *arg)
 	for (i = 0; !atomic_load_explicit(&sh->stop, memory_order_relaxed);
 	     i++) {
 		/* One acquisition in 8 is timed: two clock reads per
-		 * acquisition would halve a barging lock's throughput. */
-		bool timed = (i & 7) == 0;
+		 * acquisition would halve a barging lock's throughput.  With
+		 * no lock there is no wait to time. */
+		bool timed = sh->locked && (i & 7) == 0;
 		int64_t t0 = timed ? now_ns() : 0;
 
 		subject_acquire(sh->s, hot_key, &h);
 		if (timed)
 			hist_add(&w->h, now_ns() - t0);
-		if (sh->inside++ != 0)
-			atomic_fetch_add(&sh->violations, 1);
-		sh->counter++;
-		if (sh->last_owner != w->id) {
-			sh->last_owner = w->id;
-			sh->changes++;
+		if (sh->locked) {
+			if (sh->inside++ != 0)
+				atomic_fetch_add(&sh->violations, 1);
+			sh->counter++;
+			if (sh->last_owner != w->id) {
+				sh->last_owner = w->id;
+				sh->changes++;
+			}
 		}
 		spin_for(sh->work_in);
-		if (--sh->inside != 0)
+		if (sh->locked && --sh->inside != 0)
 			atomic_fetch_add(&sh->violations, 1);
 		subject_release(sh->s, &h);
 		/* The window opens when the last thread has taken the lock
@@ -162,6 +166,7 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 	sh.work_in = sec ? WORK_IN_NS : 0;
 	sh.work_out = sec ? WORK_OUT_NS : 0;
 	sh.count = count;
+	sh.locked = s->kind != K_NONE;
 	atomic_init(&sh.ready, 0);
 	atomic_init(&sh.entered, 0);
 	atomic_init(&sh.go, false);
@@ -241,16 +246,18 @@ run_contended(struct subject *s, int nthreads, int sec, bool count,
 		}
 	}
 	out->changes = sh.changes;
+	out->sections = sh.locked ? out->ops : 0;
 	out->violations = atomic_load(&sh.violations);
 	/* A lost update inside the section is a violation too. */
-	if (sh.counter != out->ops)
+	if (sh.locked && sh.counter != out->ops)
 		out->violations += 1;
 	out->tput = (double)wops / ((double)(end_ns - from_ns) / 1e9);
 	out->fair = min > 0 ? (double)max / (double)min : INFINITY;
 	out->fair_all = amin > 0 ? (double)amax / (double)amin : INFINITY;
 	out->fair_cpu = starved ? INFINITY : cpu_unknown ? NAN : rmax / rmin;
-	out->chg = out->ops > 0 ? (double)out->changes / (double)out->ops
-				: NAN;
+	out->chg = sh.locked && out->ops > 0
+			   ? (double)out->changes / (double)out->ops
+			   : NAN;
 	free(w);
 }
 
@@ -271,7 +278,7 @@ record(struct cres *c, int i, const struct crun *r)
 	c->ops += r->ops;
 	c->violations += r->violations;
 	total_violations += r->violations;
-	total_sections += r->ops;
+	total_sections += r->sections;
 }
 
 /* Repetition i of every lock, thread count and section into into. */

@@ -55,7 +55,7 @@ run_deadlock_cost(void)
 			run_contended(&subjects[K_KL_LOCK], DL_THREADS,
 				      DL_SEC, false, NULL, &r);
 			total_violations += r.violations;
-			total_sections += r.ops;
+			total_sections += r.sections;
 			dlres.tput[which][i] = r.tput;
 		}
 	if (kl_deadlock_ms_set(saved) != KL_OK)

@@ -70,7 +70,7 @@ jcontended(const struct cres *c, int k, int nthreads, int sec, bool last)
 	fputs(", \"p99\": ", stdout);
 	jnum(hist_pct(&c->h, 0.99));
 	fputs(", \"max\": ", stdout);
-	jnum((double)c->h.max);
+	jnum(c->h.count ? (double)c->h.max : NAN);
 	printf(", \"samples\": %llu}, \"operations\": %llu, "
 	       "\"violations\": %ld}%s\n",
 	       (unsigned long long)c->h.count, (unsigned long long)c->ops,
@@ -461,12 +461,12 @@ write_plot(const char *path)
 		panel_range(&p, y, q >= 2);
 		svg_panel(f, &p, titles[q], y);
 	}
-	/* Six entries of up to 17 characters fit in 150 px each. */
+	/* Seven entries of up to 17 characters at 11 px fit in 135 px each. */
 	for (int k = 0; k < NKINDS; k++) {
-		double x = 30 + k * 150;
+		double x = 12 + k * 135;
 
 		svg_line(f, x, 735, x + 24, 735, kind_color[k], 3);
-		svg_text(f, x + 30, 739, "start", 12, kind_label[k]);
+		svg_text(f, x + 30, 739, "start", 11, kind_label[k]);
 	}
 	svg_text(f, 480, 756, "middle", 10,
 		 "log scales; values above an axis (inf: a thread starved) "

@@ -84,14 +84,16 @@ stripe_of(const char *key)
 }
 
 const char *const kind_name[NKINDS] = {
-	"pthread", "striped", "fifo", "kl_mutex", "kl_lock", "kl_eventual"
+	"pthread", "striped", "fifo", "kl_mutex", "kl_lock", "kl_eventual",
+	"none"
 };
 const char *const kind_label[NKINDS] = {
 	"pthread_mutex", "striped x256", "fifo baseline", "kl_mutex",
-	"kl_lock/memory", "kl_mutex eventual"
+	"kl_lock/memory", "kl_mutex eventual", "no lock"
 };
 const char *const kind_color[NKINDS] = {
-	"#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728", "#8c564b"
+	"#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#d62728", "#8c564b",
+	"#7f7f7f"
 };
 
 struct subject subjects[NKINDS];
@@ -171,6 +173,7 @@ subject_acquire(struct subject *s, const char *key, union hold *h)
 		    KL_OK)
 			die("kl_lock_acquire: %s", kl_strerror(rc));
 		break;
+	case K_NONE: /* nothing to take: see enum kind */
 	default:
 		break;
 	}
@@ -199,6 +202,7 @@ subject_release(struct subject *s, union hold *h)
 	case K_KL_LOCK:
 		kl_lease_release(h->lease);
 		break;
+	case K_NONE: /* nothing to take: see enum kind */
 	default:
 		break;
 	}

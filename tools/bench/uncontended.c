@@ -169,7 +169,7 @@ run_syscalls(void)
 			run_contended(&subjects[k], sys_threads[t], 0, true,
 				      NULL, &r);
 			total_violations += r.violations;
-			total_sections += r.ops;
+			total_sections += r.sections;
 			s->done = true;
 			s->n = r.ops;
 			s->futex = (double)r.sys.futex / (double)r.ops;
