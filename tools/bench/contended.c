@@ -62,14 +62,88 @@ thread_cpu_ns(void)
 #endif
 }
 
+/* After turn i of w's loop: the window opens when the last thread has
+ * had its first turn; each thread counts from its next one. */
+static inline void
+window_step(struct cworker *w, uint64_t i)
+{
+	struct cshared *sh = w->sh;
+
+	if (i == 0 &&
+	    atomic_fetch_add(&sh->entered, 1) == sh->nthreads - 1) {
+		sh->window_ns = now_ns();
+		atomic_store_explicit(&sh->counting, true,
+				      memory_order_release);
+	}
+	if (w->base == 0 &&
+	    atomic_load_explicit(&sh->counting, memory_order_relaxed)) {
+		w->base = i + 1;
+		/* Not in a run that counts system calls: it makes one. */
+		if (!sh->count)
+			w->cpu0_ns = thread_cpu_ns();
+	}
+}
+
+/* The loop with no lock (K_NONE): the same work, nothing shared to check
+ * and no wait to time.  A loop of its own, so that the locks' loop is
+ * not slowed by a test of which it is: a barging lock's rate moves with a
+ * few nanoseconds there. */
+static uint64_t
+unlocked_loop(struct cworker *w)
+{
+	struct cshared *sh = w->sh;
+	uint64_t i;
+
+	for (i = 0; !atomic_load_explicit(&sh->stop, memory_order_relaxed);
+	     i++) {
+		spin_for(sh->work_in);
+		window_step(w, i);
+		spin_for(sh->work_out);
+	}
+	return i;
+}
+
+static uint64_t
+locked_loop(struct cworker *w)
+{
+	struct cshared *sh = w->sh;
+	union hold h;
+	uint64_t i;
+
+	/* Relaxed: stop only ends the loop, it publishes nothing. */
+	for (i = 0; !atomic_load_explicit(&sh->stop, memory_order_relaxed);
+	     i++) {
+		/* One acquisition in 8 is timed: two clock reads per
+		 * acquisition would halve a barging lock's throughput. */
+		bool timed = (i & 7) == 0;
+		int64_t t0 = timed ? now_ns() : 0;
+
+		subject_acquire(sh->s, hot_key, &h);
+		if (timed)
+			hist_add(&w->h, now_ns() - t0);
+		if (sh->inside++ != 0)
+			atomic_fetch_add(&sh->violations, 1);
+		sh->counter++;
+		if (sh->last_owner != w->id) {
+			sh->last_owner = w->id;
+			sh->changes++;
+		}
+		spin_for(sh->work_in);
+		if (--sh->inside != 0)
+			atomic_fetch_add(&sh->violations, 1);
+		subject_release(sh->s, &h);
+		window_step(w, i);
+		spin_for(sh->work_out);
+	}
+	return i;
+}
+
 static void *
 cworker_main(void *arg)
 {
 	struct cworker *w = arg;
 	struct cshared *sh = w->sh;
 	struct counters ctr = { -1, -1 };
-	union hold h;
-	uint64_t i;
 
 	if (sh->count)
 		counters_open(&ctr);
@@ -77,50 +151,7 @@ cworker_main(void *arg)
 	wait_true(&sh->go);
 	if (sh->count)
 		counters_sample(&ctr, &w->c0);
-	/* Relaxed: stop only ends the loop, it publishes nothing. */
-	for (i = 0; !atomic_load_explicit(&sh->stop, memory_order_relaxed);
-	     i++) {
-		/* One acquisition in 8 is timed: two clock reads per
-		 * acquisition would halve a barging lock's throughput.  With
-		 * no lock there is no wait to time. */
-		bool timed = sh->locked && (i & 7) == 0;
-		int64_t t0 = timed ? now_ns() : 0;
-
-		subject_acquire(sh->s, hot_key, &h);
-		if (timed)
-			hist_add(&w->h, now_ns() - t0);
-		if (sh->locked) {
-			if (sh->inside++ != 0)
-				atomic_fetch_add(&sh->violations, 1);
-			sh->counter++;
-			if (sh->last_owner != w->id) {
-				sh->last_owner = w->id;
-				sh->changes++;
-			}
-		}
-		spin_for(sh->work_in);
-		if (sh->locked && --sh->inside != 0)
-			atomic_fetch_add(&sh->violations, 1);
-		subject_release(sh->s, &h);
-		/* The window opens when the last thread has taken the lock
-		 * once; each thread counts from its next acquisition. */
-		if (i == 0 && atomic_fetch_add(&sh->entered, 1) ==
-				      sh->nthreads - 1) {
-			sh->window_ns = now_ns();
-			atomic_store_explicit(&sh->counting, true,
-					      memory_order_release);
-		}
-		if (w->base == 0 && atomic_load_explicit(&sh->counting,
-							 memory_order_relaxed)) {
-			w->base = i + 1;
-			/* Not in a run that counts system calls: it
-			 * makes one. */
-			if (!sh->count)
-				w->cpu0_ns = thread_cpu_ns();
-		}
-		spin_for(sh->work_out);
-	}
-	w->ops = i;
+	w->ops = sh->locked ? locked_loop(w) : unlocked_loop(w);
 	w->end_ns = now_ns();
 	if (!sh->count)
 		w->cpu1_ns = thread_cpu_ns();
