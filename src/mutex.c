@@ -41,29 +41,32 @@
 #define STARVE_NS 1000000 /* 1 ms, as Go's mutex starvation mode */
 
 /*
- * A mutex has two cache lines of its own (kl_mutex_new).  The first holds
- * the state word and everything the slow paths write under the lock.  The
- * second holds the options, which the fast paths read before their
- * compare-and-swap on the state, and nothing written while the mutex is
- * in use (owner_tid is stored only for KL_ERRORCHECK, whose calls always
- * take the lock, and aborts only by an aborting leave), so that read
- * always hits.  When the options shared a line with the queue, or with
- * another object malloc put beside the mutex, each fast path missed on
- * that read and then again on the state: KL_EVENTUAL at 4 threads on 2
- * CPUs ran at 0.76x to 1.19x pthread_mutex depending only on the
- * allocations made before it, and 0.82x to 0.90x with the options beside
- * the queue on aligned lines (keylock-bench's contended loop, 7 runs per
- * placement); with a line of their own, 1.02x to 1.26x.
+ * A mutex has three cache lines of its own (kl_mutex_new): the state word
+ * with the lock that the slow paths take before they change it; the
+ * queue, which they change under that lock; and the options, which every
+ * fast path reads before its compare-and-swap on the state and nothing
+ * writes while the mutex is in use, so that the read always hits.
+ * KL_EVENTUAL against pthread_mutex on 2 CPUs, keylock-bench's contended
+ * loop with an empty section, medians of 7 runs per batch:
+ * - where malloc put it, 4 threads ran at 0.81x to 1.11x depending only
+ *   on the allocations made before it (four placements: the options, or
+ *   the state, on a line that another object or the queue wrote);
+ * - the options beside the queue on aligned lines: 0.82x to 0.90x;
+ * - the queue beside the state: 4 threads 1.12x to 1.61x, but 2 threads
+ *   0.33x to 0.50x, where a quicker slow path let the waiter in between
+ *   the holder's turns two to four times as often;
+ * - as here, ten interleaved batches: 4 threads 0.89x to 1.30x, 2
+ *   threads 0.56x to 0.73x.
  */
 #define MUTEX_LINE 64
 
 struct kl_mutex {
 	_Atomic uint64_t state;
 	pthread_mutex_t lock;
-	struct kl__waitq q;
-	_Alignas(MUTEX_LINE) kl_queue_opts opts;
 	uint64_t owner_tid; /* KL_ERRORCHECK: the holding thread, under lock */
 	uint64_t aborts;    /* leaves with abort_pending, under lock */
+	_Alignas(MUTEX_LINE) struct kl__waitq q;
+	_Alignas(MUTEX_LINE) kl_queue_opts opts;
 };
 
 static pthread_mutex_t defaults_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -190,16 +193,6 @@ eventual(const kl_mutex *m)
 	return __atomic_load_n(&m->opts.flags, __ATOMIC_RELAXED) & KL_EVENTUAL;
 }
 
-/* Records the holding thread for KL_ERRORCHECK; other mutexes skip the
- * store, which would cost their fast paths a miss (struct kl_mutex).
- * Lock held. */
-static void
-note_owner(kl_mutex *m, uint64_t tid)
-{
-	if (errorcheck(m))
-		m->owner_tid = tid;
-}
-
 /* One attempt to take a free mutex.  Acquire order pairs with the release
  * of the leave that freed it.  Only an eventual mutex can be free with the
  * QUEUED bit set; strict mode needs the whole word 0 (no waiters). */
@@ -232,7 +225,7 @@ take_or_mark(kl_mutex *m, uint64_t id)
 				    &m->state, &s,
 				    (s & QUEUED) | id << OWNER_SHIFT,
 				    memory_order_acquire, memory_order_relaxed)) {
-				note_owner(m, kl__thread_id());
+				m->owner_tid = kl__thread_id();
 				KL_ANNOTATE_HAPPENS_AFTER(&m->state);
 				return KL_OK;
 			}
@@ -260,7 +253,7 @@ pass_on(kl_mutex *m, void **prod)
 	KL_ANNOTATE_HAPPENS_BEFORE(&m->state);
 	if (w == NULL) {
 		atomic_store_explicit(&m->state, 0, memory_order_release);
-		note_owner(m, 0);
+		m->owner_tid = 0;
 		return NULL;
 	}
 	if (eventual(m) && kl__now_ns() - w->since_ns < STARVE_NS) {
@@ -268,12 +261,12 @@ pass_on(kl_mutex *m, void **prod)
 		w->status = KL__RETRY;
 		atomic_store_explicit(&m->state, queued | WOKEN,
 				      memory_order_release);
-		note_owner(m, 0);
+		m->owner_tid = 0;
 	} else {
 		atomic_store_explicit(&m->state,
 				      (w->data << OWNER_SHIFT) | queued,
 				      memory_order_release);
-		note_owner(m, w->tid);
+		m->owner_tid = w->tid;
 		*prod = kl__waitq_prod(&m->q);
 	}
 	return kl__waiter_settle(w);
