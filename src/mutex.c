@@ -41,11 +41,11 @@
 #define STARVE_NS 1000000 /* 1 ms, as Go's mutex starvation mode */
 
 /*
- * A mutex has three cache lines of its own (kl_mutex_new): the state word
- * with the lock that the slow paths take before they change it; the
- * queue, which they change under that lock; and the options, which every
- * fast path reads before its compare-and-swap on the state and nothing
- * writes while the mutex is in use, so that the read always hits.
+ * A mutex has cache lines of its own (kl_mutex_new; three on x86-64 with
+ * glibc): the state word with the lock that the slow paths take before
+ * they change it; the queue, which they change under that lock; and the
+ * options, which every fast path reads before its compare-and-swap on the
+ * state and only kl_mutex_set_opts writes, so that the read hits.
  * KL_EVENTUAL against pthread_mutex on 2 CPUs, keylock-bench's contended
  * loop with an empty section, medians of 7 runs per batch:
  * - where malloc put it, 4 threads ran at 0.81x to 1.11x depending only

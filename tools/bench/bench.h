@@ -208,7 +208,7 @@ enum kind {
 	K_KL_LOCK,
 	K_KL_EVENTUAL,
 	/* No lock at all, work alone: how the scheduler shares the CPUs
-	 * among the threads, the floor under any lock's fairness. */
+	 * among threads that never block, a reference for fairness. */
 	K_NONE,
 	NKINDS
 };

@@ -65,10 +65,8 @@ thread_cpu_ns(void)
 /* After turn i of w's loop: the window opens when the last thread has
  * had its first turn; each thread counts from its next one. */
 static inline void
-window_step(struct cworker *w, uint64_t i)
+window_step(struct cshared *sh, struct cworker *w, uint64_t i)
 {
-	struct cshared *sh = w->sh;
-
 	if (i == 0 &&
 	    atomic_fetch_add(&sh->entered, 1) == sh->nthreads - 1) {
 		sh->window_ns = now_ns();
@@ -97,7 +95,7 @@ unlocked_loop(struct cworker *w)
 	for (i = 0; !atomic_load_explicit(&sh->stop, memory_order_relaxed);
 	     i++) {
 		spin_for(sh->work_in);
-		window_step(w, i);
+		window_step(sh, w, i);
 		spin_for(sh->work_out);
 	}
 	return i;
@@ -132,7 +130,7 @@ locked_loop(struct cworker *w)
 		if (--sh->inside != 0)
 			atomic_fetch_add(&sh->violations, 1);
 		subject_release(sh->s, &h);
-		window_step(w, i);
+		window_step(sh, w, i);
 		spin_for(sh->work_out);
 	}
 	return i;

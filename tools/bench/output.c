@@ -228,14 +228,14 @@ print_json(void)
 	}
 	fputs("  ], \"contended_empty\": [\n", stdout);
 	for (int t = 0; t < NSYST; t++)
-		for (int k = 0; k < NKINDS; k++) {
+		for (int k = 0; k < K_NONE; k++) {
 			printf("    {\"lock\": \"%s\", \"threads\": %d, ",
 			       kind_name[k], sys_threads[t]);
 			jsys(&sys_ct[k][t]);
 			fputs(", \"futex_per_owner_change\": ", stdout);
 			jnum(sysm.ok ? sys_ct[k][t].futex_per_change : NAN);
 			printf("}%s\n",
-			       t == NSYST - 1 && k == NKINDS - 1 ? "" : ",");
+			       t == NSYST - 1 && k == K_NONE - 1 ? "" : ",");
 		}
 	fputs("  ]},\n  \"targets\": [\n", stdout);
 	for (int i = 0; i < ntargets; i++) {
@@ -318,7 +318,9 @@ panel_x(const struct panel *p, int i)
 static void
 tick_label(char *buf, size_t size, double v)
 {
-	if (v >= 1e6)
+	if (v >= 1e9)
+		snprintf(buf, size, "%gG", v / 1e9);
+	else if (v >= 1e6)
 		snprintf(buf, size, "%gM", v / 1e6);
 	else if (v >= 1e3)
 		snprintf(buf, size, "%gk", v / 1e3);
@@ -374,6 +376,8 @@ svg_panel(FILE *f, const struct panel *p, const char *title,
 	svg_text(f, p->x + p->w / 2, p->y + p->h + 32, "middle", 11,
 		 "threads");
 	for (int k = 0; k < NKINDS; k++) {
+		if (isnan(y[k][0])) /* not drawn in this panel */
+			continue;
 		fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" "
 			   "stroke-width=\"2\" points=\"",
 			kind_color[k]);
@@ -454,9 +458,14 @@ write_plot(const char *path)
 			for (int i = 0; i < NTHR; i++) {
 				struct cres *c = &cres[k][i][sec];
 
-				y[k][i] = summarize(q < 2 ? c->tput : c->fair,
-						    opt.runs)
-						  .med;
+				/* The no-lock loop's rate counts loops, not
+				 * grants. */
+				y[k][i] = q < 2 && k == K_NONE
+						  ? NAN
+						  : summarize(q < 2 ? c->tput
+								    : c->fair,
+							      opt.runs)
+							    .med;
 			}
 		panel_range(&p, y, q >= 2);
 		svg_panel(f, &p, titles[q], y);

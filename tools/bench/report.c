@@ -71,11 +71,11 @@ worst_fairness(struct cres c[NKINDS][NTHR][NSEC], int k, int *wt, int *wsec)
 
 /* kl_lock's worst fairness in c, then, shown beside it, the same loop's
  * with no lock in the same setting: with work outside the lock the
- * threads that the scheduler gave more CPU come back sooner, so no lock
- * that lets a running thread go on can be fairer than that (4 and 8
- * threads on 2 CPUs: up to 2.2 and 1.6 with no lock at all in a quick
- * harness), and a strict FIFO only is when every thread waits in its
- * queue, so slowly (fifo baseline, 8 threads with work). */
+ * threads that the scheduler gave more CPU come back sooner, so a miss
+ * may be the scheduler's (4 threads on 2 CPUs with work: 1.4 to 2.4 with
+ * no lock at all, from one repetition to the next).  A reference, not a
+ * bound: a thread that blocks in a lock changes how the scheduler shares
+ * the CPUs (pthread_mutex 1.2 there). */
 static void
 fairness_targets(struct cres c[NKINDS][NTHR][NSEC], const char *what,
 		 bool judged)
@@ -438,7 +438,7 @@ print_table(void)
 	       "contended, empty cs", "thr", "futex/acq", "futex/chg",
 	       "all/acq", "vol.cs", "invol.cs");
 	for (int t = 0; t < NSYST; t++)
-		for (int k = 0; k < NKINDS; k++) {
+		for (int k = 0; k < K_NONE; k++) {
 			struct sysres *s = &sys_ct[k][t];
 
 			printf("  %-20s %3d %9s %9s %9s %9s %9s\n",

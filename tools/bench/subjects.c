@@ -173,9 +173,9 @@ subject_acquire(struct subject *s, const char *key, union hold *h)
 		    KL_OK)
 			die("kl_lock_acquire: %s", kl_strerror(rc));
 		break;
-	case K_NONE: /* nothing to take: see enum kind */
+	case K_NONE: /* its loop takes nothing (unlocked_loop) */
 	default:
-		break;
+		die("no lock to take or give back");
 	}
 }
 
@@ -202,9 +202,9 @@ subject_release(struct subject *s, union hold *h)
 	case K_KL_LOCK:
 		kl_lease_release(h->lease);
 		break;
-	case K_NONE: /* nothing to take: see enum kind */
+	case K_NONE: /* its loop takes nothing (unlocked_loop) */
 	default:
-		break;
+		die("no lock to take or give back");
 	}
 }
 
