@@ -24,6 +24,11 @@
 
 #define KL_HIDDEN __attribute__((visibility("hidden")))
 
+/* The cache line that objects written from several CPUs are aligned to,
+ * so that no other object's writes share their lines (table shards,
+ * mutexes). */
+#define KL__CACHE_LINE 64
+
 /* KL_ASSERT(x): an invariant that the code next to it relies on, checked
  * in the test build (KL_TEST_HOOKS) only.  A broken one is reported on
  * stderr and aborts the test program (kl__test_assert_record lets a test

@@ -58,15 +58,13 @@
  * - as here, ten interleaved batches: 4 threads 0.89x to 1.30x, 2
  *   threads 0.56x to 0.73x.
  */
-#define MUTEX_LINE 64
-
 struct kl_mutex {
 	_Atomic uint64_t state;
 	pthread_mutex_t lock;
 	uint64_t owner_tid; /* KL_ERRORCHECK: the holding thread, under lock */
 	uint64_t aborts;    /* leaves with abort_pending, under lock */
-	_Alignas(MUTEX_LINE) struct kl__waitq q;
-	_Alignas(MUTEX_LINE) kl_queue_opts opts;
+	_Alignas(KL__CACHE_LINE) struct kl__waitq q;
+	_Alignas(KL__CACHE_LINE) kl_queue_opts opts;
 };
 
 static pthread_mutex_t defaults_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -147,7 +145,7 @@ kl_mutex_new(kl_mutex **out, const kl_queue_opts *opts)
 		o = *opts;
 	if (!opts_valid(&o))
 		return KL_EINVAL;
-	if ((m = kl__aligned_alloc(MUTEX_LINE, sizeof *m)) == NULL)
+	if ((m = kl__aligned_alloc(KL__CACHE_LINE, sizeof *m)) == NULL)
 		return KL_ENOMEM;
 	memset(m, 0, sizeof *m);
 	atomic_init(&m->state, 0);

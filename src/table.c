@@ -64,7 +64,7 @@ kl__table_new(struct kl__table **out)
 	struct kl__table *t;
 
 	*out = NULL;
-	if ((t = kl__aligned_alloc(64, sizeof *t)) == NULL)
+	if ((t = kl__aligned_alloc(KL__CACHE_LINE, sizeof *t)) == NULL)
 		return KL_ENOMEM;
 	memset(t, 0, sizeof *t);
 	table_init(t);

@@ -352,7 +352,7 @@ struct shard {
 	/* Buckets by SipHash (see hash_of), keyed with sk. */
 	bool strong;
 	uint64_t sk[2];
-} __attribute__((aligned(64)));
+} __attribute__((aligned(KL__CACHE_LINE)));
 
 /* No global count of entries: every acquire and release on any key would
  * write its cache line from every CPU.  kl__table_size counts the shards

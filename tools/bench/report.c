@@ -49,17 +49,17 @@ mode_name(bool pinned)
 	return pinned ? "pinned" : "unpinned";
 }
 
-/* Kind k's worst median max/min over thread counts and sections; where it
- * was into *wt and *wsec. */
+/* kl_lock's worst median max/min over thread counts and sections; where
+ * it was into *wt and *wsec. */
 static double
-worst_fairness(struct cres c[NKINDS][NTHR][NSEC], int k, int *wt, int *wsec)
+worst_fairness(struct cres c[NKINDS][NTHR][NSEC], int *wt, int *wsec)
 {
 	double worst = -1, v;
 
 	*wt = *wsec = 0;
 	for (int t = 0; t < NTHR; t++)
 		for (int sec = 0; sec < NSEC; sec++) {
-			v = summarize(c[k][t][sec].fair, opt.runs).med;
+			v = summarize(c[K_KL_LOCK][t][sec].fair, opt.runs).med;
 			if (v > worst || isnan(v)) {
 				worst = v;
 				*wt = t;
@@ -84,7 +84,7 @@ fairness_targets(struct cres c[NKINDS][NTHR][NSEC], const char *what,
 	double v;
 	int t, sec;
 
-	v = worst_fairness(c, K_KL_LOCK, &t, &sec);
+	v = worst_fairness(c, &t, &sec);
 	snprintf(name, sizeof name, "%s (%d thr %s)", what,
 		 thread_counts[t], sec_name[sec]);
 	target(name, v, true, 1.10, NAN, "x");
